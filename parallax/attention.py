@@ -1,0 +1,67 @@
+"""Causal self-attention with grouped-query heads and rotary positions.
+
+Heads are the tensor-parallel dimension (column-parallel q/k/v, row-parallel output), so a block
+costs one all-reduce of [B, T, D] here in the forward pass and one in the backward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from parallax.layers import Dense, DotGeneralFactory
+from parallax.sharding import constrain
+
+
+def apply_rope(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding on [B, T, N, H] (rotate-half convention), positions 0..T-1."""
+    _, t, _, h = x.shape
+    freqs = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]  # [T, H/2]
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    out_std: float = 0.02
+    dtype: Any = jnp.float32
+    dot_general: DotGeneralFactory = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d_model = x.shape[-1]
+        n, k, h = self.n_heads, self.n_kv_heads, self.head_dim
+
+        g = n // k  # query heads per kv head
+        # One fused projection per kv-head group: G query heads, then the key, then the value.
+        # One matmul means one input-gradient matmul, hence one tensor all-reduce backward (three
+        # separate projections would all-reduce three partial sums). Sharding the K dimension
+        # keeps each query head with its kv head on the same tensor shard.
+        qkv = Dense(
+            (k, g + 2, h), ("embed", "kv_heads", None, "kv"), init_std=self.init_std, dtype=self.dtype,
+            dot_general=self.dot_general, name="qkv",
+        )(x)  # [B, T, D] -> [B, T, K, G+2, H]
+        b, t = x.shape[:2]
+        q = qkv[:, :, :, :g].reshape(b, t, n, h)  # [B, T, K, G, H] -> [B, T, N, H], head = k * G + g
+        heads_names = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+        kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
+        q = constrain(apply_rope(q, self.rope_theta), heads_names)  # [B, T, N, H]
+        key = constrain(apply_rope(qkv[:, :, :, g], self.rope_theta), kv_names)  # [B, T, K, H]
+        value = constrain(qkv[:, :, :, g + 1], kv_names)  # [B, T, K, H]
+        # Grouped-query attention: query head i reads kv head i // (N / K). Softmax in float32.
+        out = jax.nn.dot_product_attention(q, key, value, is_causal=True)  # [B, T, N, H]
+        out = constrain(out, heads_names)
+        return Dense(
+            (d_model,), ("heads", "kv", "embed"), contract=2, init_std=self.out_std, dtype=self.dtype,
+            dot_general=self.dot_general, name="out",
+        )(out)  # [B, T, N, H] -> [B, T, D]

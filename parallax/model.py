@@ -1,0 +1,115 @@
+"""The decoder-only transformer: embed -> scanned block stack -> RMSNorm -> logits.
+
+The block stack is one `nn.scan` over a leading logical `layers` axis, so compile time does not
+grow with depth. Remat wraps the block inside the scan. Parameter and FLOP counts are computed from
+the config alone (no tracing), so planners and the CLI can report them before anything is built.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from parallax.attention import Attention
+from parallax.config import ModelConfig
+from parallax.layers import MLP, Dense, DotGeneralFactory, Embed, RMSNorm
+from parallax.sharding import constrain
+
+RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs
+    # Selective: keep matmul outputs, recompute the cheap elementwise work (norms, silu, rope).
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+    dot_general: DotGeneralFactory = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+        c = self.cfg
+        dtype = jnp.dtype(c.dtype)
+        out_std = c.init_std / math.sqrt(2 * c.n_layers)  # GPT-2 style residual-branch scaling
+        h = RMSNorm(c.norm_eps, dtype, name="attn_norm")(x)
+        x = x + Attention(
+            c.n_heads, c.n_kv_heads, c.d_model // c.n_heads, c.rope_theta, c.init_std, out_std, dtype,
+            self.dot_general, name="attn",
+        )(h)
+        x = constrain(x, RESIDUAL)
+        h = RMSNorm(c.norm_eps, dtype, name="mlp_norm")(x)
+        x = x + MLP(c.d_ff, c.init_std, out_std, dtype, self.dot_general, name="mlp")(h)
+        return constrain(x, RESIDUAL), None
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+    remat: str = "none"
+    dot_general: DotGeneralFactory = None
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """[B, T] int token ids -> [B, T, V] float32 logits."""
+        c = self.cfg
+        dtype = jnp.dtype(c.dtype)
+        embed = Embed(c.vocab_size, c.d_model, c.init_std, dtype, self.dot_general, name="embed")
+        x = constrain(embed(tokens), RESIDUAL)  # [B, T, D]
+        block = Block
+        if self.remat != "none":
+            block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        stack = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=c.n_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, _ = stack(c, self.dot_general, name="layers")(x, None)  # [B, T, D]
+        x = RMSNorm(c.norm_eps, dtype, name="final_norm")(x)
+        if c.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = Dense((c.vocab_size,), ("embed", "vocab"), init_std=c.init_std, dtype=dtype,
+                           dot_general=self.dot_general, name="logits")(x)
+        logits = constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
+        return logits.astype(jnp.float32)  # [B, T, V]
+
+
+# ----------------------------------------------------------------------------------------------
+# Analytic counts
+
+
+def count_params(c: ModelConfig) -> dict[str, int]:
+    """Parameter counts by part, from the config (matches the initialised tree exactly)."""
+    h = c.d_model // c.n_heads
+    attn = c.d_model * h * (2 * c.n_heads + 2 * c.n_kv_heads)  # q, out: N*H*D; k, v: K*H*D
+    mlp = 3 * c.d_model * c.d_ff
+    per_layer = attn + mlp + 2 * c.d_model  # + two norm scales
+    counts = {
+        "embedding": c.vocab_size * c.d_model,
+        "layers": c.n_layers * per_layer,
+        "final_norm": c.d_model,
+        "logits": 0 if c.tie_embeddings else c.d_model * c.vocab_size,
+    }
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def flops_per_token(c: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * N_matmul + causal attention.
+
+    N_matmul counts every weight that enters a matmul: the block projections and the output
+    projection (the input embedding lookup is a gather in FLOP terms and is not counted, tied or
+    not). Attention scores and values cost 12 * L * N * H * T per token for full attention (PaLM);
+    we count the causal half, 6 * L * N * H * T, as MaxText and torchtitan do.
+    """
+    h = c.d_model // c.n_heads
+    attn = c.d_model * h * (2 * c.n_heads + 2 * c.n_kv_heads)
+    n_matmul = c.n_layers * (attn + 3 * c.d_model * c.d_ff) + c.d_model * c.vocab_size
+    return 6.0 * n_matmul + 6.0 * c.n_layers * c.n_heads * h * seq_len

@@ -1,0 +1,222 @@
+"""Logical axis names and the one rules table that maps them onto the mesh.
+
+Model code names every dimension with a logical name (`embed`, `heads`, `batch`, ...); this table
+decides which mesh axes shard it. The rules are a plain tuple of `(logical_name, mesh_axes)` pairs,
+usable as they are with `flax.linen.logical_axis_rules(...)` and `flax.nnx.logical_axis_rules(...)`
+in any Flax model.
+
+Parameters and activations have separate names (`embed` vs `activation_embed`, as in MaxText) so
+that ZeRO-3 can shard the parameter `embed` dimension over `data` while the activation batch stays
+on `data`. The Flax-example names `batch` / `length` are activation names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import flax.linen as nn
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from parallax.config import ParallelConfig
+from parallax.mesh import AXES, DATA, EXPERT, PIPE, TENSOR
+
+Rules = tuple[tuple[str, Any], ...]
+
+BATCH_AXES = (DATA, EXPERT)  # outside MoE layers the expert axis is more data parallelism
+
+DEFAULT_RULES: Rules = (
+    # activations (Flax examples / T5X names, then MaxText-style names)
+    ("batch", BATCH_AXES),
+    ("length", None),
+    ("activation_batch", BATCH_AXES),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", TENSOR),
+    ("activation_kv_heads", TENSOR),
+    ("activation_kv", None),
+    ("activation_mlp", TENSOR),
+    ("activation_vocab", TENSOR),
+    # parameters (Megatron column/row split on heads, mlp and vocab)
+    ("embed", None),
+    ("vocab", TENSOR),
+    ("heads", TENSOR),
+    ("kv_heads", TENSOR),
+    ("kv", None),  # head dimension
+    ("joined_kv", TENSOR),  # heads * head_dim fused, as in Flax examples / T5X
+    ("mlp", TENSOR),
+    ("norm", None),
+    ("layers", None),  # the scanned block stack
+    ("stage", PIPE),  # pipeline stages (pipeline.py)
+    ("expert", EXPERT),  # MoE experts (expert_parallel.py)
+)
+
+
+class ShardingError(ValueError):
+    """A rules table or a model's annotations cannot be laid out on the mesh."""
+
+
+def _replace(rules: Rules, **targets: Any) -> Rules:
+    return tuple((name, targets.get(name, axes)) for name, axes in rules)
+
+
+def make_rules(parallel: ParallelConfig | None = None) -> Rules:
+    """Rules for parameters and activations under a parallel config (ZeRO-3 puts `embed` on data)."""
+    parallel = parallel or ParallelConfig()
+    if parallel.zero >= 3:
+        return _replace(DEFAULT_RULES, embed=DATA)
+    return DEFAULT_RULES
+
+
+def optimizer_rules(parallel: ParallelConfig | None = None) -> Rules:
+    """Rules for optimizer state: ZeRO-1 and ZeRO-3 shard it over data on the `embed` dimension."""
+    parallel = parallel or ParallelConfig()
+    if parallel.zero >= 1:
+        return _replace(DEFAULT_RULES, embed=DATA)
+    return DEFAULT_RULES
+
+
+def _as_tuple(axes: Any) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def validate_rules(rules: Iterable[tuple[str, Any]], mesh: jax.sharding.Mesh | None = None) -> dict[str, tuple[str, ...]]:
+    """The rules as a dict; a name given twice (even identically) or an unknown mesh axis raises."""
+    table: dict[str, tuple[str, ...]] = {}
+    known = tuple(mesh.axis_names) if mesh is not None else AXES
+    for rule in rules:
+        if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ShardingError(f"rule {rule!r}: expected (logical_name, mesh_axes)")
+        name, axes = rule
+        axes = _as_tuple(axes)
+        if name in table:
+            raise ShardingError(
+                f"conflicting rules for logical axis {name!r}: {table[name] or None} and {axes or None} "
+                "(each logical name must appear once)"
+            )
+        for a in axes:
+            if a not in known:
+                raise ShardingError(f"rule for {name!r} names mesh axis {a!r}, not one of {known}")
+        table[name] = axes
+    return table
+
+
+def logical_to_spec(logical: Iterable[str | None], table: dict[str, tuple[str, ...]], where: str = "") -> P:
+    """Map logical names to a PartitionSpec; unknown names and a mesh axis used twice raise."""
+    logical = tuple(logical)
+    out, used = [], {}
+    for dim, name in enumerate(logical):
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise ShardingError(f"{where}: logical axis {name!r} is covered by no rule")
+        axes = table[name]
+        for a in axes:
+            if a in used:
+                raise ShardingError(
+                    f"{where}: dimensions {used[a]} ({logical[used[a]]!r}) and {dim} ({name!r}) "
+                    f"both map to mesh axis {a!r}"
+                )
+            used[a] = dim
+        out.append(axes[0] if len(axes) == 1 else (axes or None))
+    return P(*out)
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One row of `check`: where a parameter lives."""
+
+    name: str
+    shape: tuple[int, ...]
+    logical: tuple[str | None, ...] | None  # None: not annotated (replicated)
+    spec: P
+
+
+def _logical_leaves(variables: Any) -> list[tuple[str, tuple[int, ...], tuple | None]]:
+    """(path, shape, logical names) for Linen boxed variables or an NNX module/state."""
+    from flax import nnx  # NNX is optional for users of Linen only
+
+    if isinstance(variables, nnx.Module):
+        variables = nnx.state(variables)
+    rows = []
+    if isinstance(variables, nnx.State):
+        for path, var in nnx.to_flat_state(variables):
+            meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+            names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+            value = var.get_value() if hasattr(var, "get_value") else var.value
+            rows.append(("/".join(map(str, path)), tuple(value.shape), tuple(names) if names else None))
+        return rows
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+    for path, leaf in jax.tree_util.tree_flatten_with_path(variables, is_leaf=is_box)[0]:
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        if isinstance(leaf, nn.Partitioned):
+            names = tuple(leaf.names)
+            if not isinstance(leaf, nn.LogicallyPartitioned):
+                raise ShardingError(f"{name}: annotated with mesh axes {names}, not logical names")
+            rows.append((name, tuple(leaf.value.shape), names))
+        else:
+            rows.append((name, tuple(getattr(leaf, "shape", ())), None))
+    return rows
+
+
+def check(abstract_variables: Any, rules: Iterable[tuple[str, Any]], mesh: jax.sharding.Mesh | None = None) -> list[ParamLayout]:
+    """Lay out a (foreign) model's variables and fail loudly on anything ambiguous.
+
+    `abstract_variables`: Linen variables from `jax.eval_shape(model.init, ...)` (boxed with
+    `nn.with_logical_partitioning`) or an NNX module / `nnx.state(...)`. Raises `ShardingError`
+    on conflicting rules, a logical name no rule covers, two dimensions of one array on the same
+    mesh axis, or (when a mesh is given, or set with `jax.set_mesh`) a dimension not divisible by
+    its mesh axes' size. Unannotated variables are reported as replicated.
+    """
+    if mesh is None:
+        ambient = jax.sharding.get_abstract_mesh()
+        mesh = None if ambient.empty else ambient
+    table = validate_rules(rules, mesh)
+    rows = []
+    for name, shape, logical in _logical_leaves(abstract_variables):
+        if logical is None:
+            rows.append(ParamLayout(name, shape, None, P()))
+            continue
+        if len(logical) != len(shape):
+            raise ShardingError(f"{name}: {len(logical)} logical names {logical} for a rank-{len(shape)} array")
+        spec = logical_to_spec(logical, table, where=name)
+        if mesh is not None:
+            for dim, (size, axes) in enumerate(zip(shape, spec)):
+                n = math.prod(mesh.shape[a] for a in _as_tuple(axes))
+                if size % n:
+                    raise ShardingError(
+                        f"{name}: dimension {dim} ({logical[dim]!r}) of size {size} is not divisible "
+                        f"by mesh axes {_as_tuple(axes)} of size {n}"
+                    )
+        rows.append(ParamLayout(name, shape, tuple(logical), spec))
+    return rows
+
+
+def logical_shardings(logical_specs: Any, mesh: jax.sharding.Mesh, rules: Rules) -> Any:
+    """A tree of logical PartitionSpecs (from `nn.get_partition_spec`) -> NamedShardings."""
+    table = validate_rules(rules, mesh)
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, logical_to_spec(tuple(spec), table)),
+        logical_specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Pin an activation's layout by logical names under the ambient rules and mesh.
+
+    Stricter than `nn.with_logical_constraint`: an unknown name or a mesh axis used twice raises
+    instead of silently leaving the dimension unsharded. A no-op when no mesh is set (e.g. plain
+    single-device use of the model).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = nn.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return x
+    spec = logical_to_spec(names, validate_rules(rules, mesh), where=f"activation {names}")
+    return jax.lax.with_sharding_constraint(x, spec)

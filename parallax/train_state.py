@@ -1,0 +1,97 @@
+"""TrainState and its layout: abstract state via `eval_shape`, shardings, sharded init.
+
+Nothing is materialised unsharded: the state's shapes come from `jax.eval_shape`, its shardings
+from the logical names on the parameters and the rules, and `init_state` is one jitted call whose
+`out_shardings` place every array where it lives. Initialisation depends only on the seed, never on
+the mesh (JAX's partitionable threefry), so any two layouts start from the same parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from parallax.config import Config
+from parallax.model import Transformer
+from parallax.optim import make_optimizer
+from parallax.sharding import Rules, logical_shardings, make_rules, optimizer_rules
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything needed to build and place the state on one mesh."""
+
+    model: Transformer
+    tx: optax.GradientTransformation
+    mesh: jax.sharding.Mesh
+    rules: Rules  # parameters and activations
+    logical_specs: Any  # params tree of logical PartitionSpecs
+    abstract_state: TrainState
+    state_shardings: TrainState
+
+    @property
+    def param_shardings(self) -> Any:
+        return self.state_shardings.params
+
+
+def _init_params(model: Transformer, cfg: Config, rng: jax.Array) -> Any:
+    tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
+    return model.init(rng, tokens)["params"]
+
+
+def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None = None) -> Layout:
+    model = model or Transformer(cfg.model, remat=cfg.parallel.remat)
+    tx = make_optimizer(cfg)
+    rules = make_rules(cfg.parallel)
+    boxed = jax.eval_shape(lambda r: _init_params(model, cfg, r), jax.random.key(0))
+    logical_specs = nn.get_partition_spec(boxed)
+    params = nn.unbox(boxed)
+    opt_state = jax.eval_shape(tx.init, params)
+    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=opt_state)
+
+    replicated = NamedSharding(mesh, P())
+    param_shardings = logical_shardings(logical_specs, mesh, rules)
+    opt_param_shardings = logical_shardings(logical_specs, mesh, optimizer_rules(cfg.parallel))
+    # Moments mirror the params tree inside optax's state; everything else (counts) is replicated.
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, opt_state, opt_param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    return Layout(model, tx, mesh, rules, logical_specs, abstract, shardings)
+
+
+def init_state(cfg: Config, layout: Layout) -> TrainState:
+    """Initialise parameters and optimizer state directly in their shardings."""
+
+    def init(rng: jax.Array) -> TrainState:
+        with nn.logical_axis_rules(layout.rules):
+            params = nn.unbox(_init_params(layout.model, cfg, rng))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=layout.tx.init(params))
+
+    with jax.set_mesh(layout.mesh):
+        return jax.jit(init, out_shardings=layout.state_shardings)(jax.random.key(cfg.train.seed))
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded arrays (measured on the first device's shards)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        device = leaf.sharding.device_set and min(leaf.sharding.device_set, key=lambda d: d.id)
+        total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+    return total
