@@ -19,8 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-class ConfigError(ValueError):
-    """A user-facing configuration error; the message names the field and the constraint."""
+class UserError(ValueError):
+    """Something the user can fix (config, data, workdir): one line, exit status 2, no traceback."""
+
+
+class ConfigError(UserError):
+    """A configuration error; the message names the field and the constraint."""
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from parallax.config import Config
+from parallax.config import Config, UserError
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A user-facing data error; the one-line message names the file and the constraint."""
 
 

@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallax.config import ParallelConfig
+from parallax.config import ParallelConfig, UserError
 from parallax.mesh import AXES, DATA, EXPERT, PIPE, TENSOR
 
 Rules = tuple[tuple[str, Any], ...]
@@ -54,7 +54,7 @@ DEFAULT_RULES: Rules = (
 )
 
 
-class ShardingError(ValueError):
+class ShardingError(UserError):
     """A rules table or a model's annotations cannot be laid out on the mesh."""
 
 
