@@ -40,6 +40,7 @@ class Collective:
     bytes: int  # bytes of the result buffer(s) on one device, per execution
     executions: int  # times it runs per step (product of enclosing loop trip counts)
     in_loop: bool
+    op_name: str  # JAX's name for the op that produced it, e.g. ".../transpose(jvp(...))/while/..."
 
     @property
     def bytes_per_step(self) -> int:
@@ -141,7 +142,10 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
             nbytes = _shape_bytes(result)
             if start:  # async start returns (operands, results): count the results only
                 nbytes //= 2
-            found.append(Collective(kind, name, comp, axes, nbytes, runs.get(comp, 1), runs.get(comp, 1) > 1))
+            op = re.search(r'op_name="([^"]*)"', line)
+            found.append(Collective(
+                kind, name, comp, axes, nbytes, runs.get(comp, 1), runs.get(comp, 1) > 1, op.group(1) if op else ""
+            ))
     return found
 
 

@@ -2,6 +2,11 @@
 
 Single-device math annotated with logical axis names only; sharding.py decides where they live.
 Parameters are float32 (master weights); compute happens in `dtype`.
+
+Every parameter is pinned to its compute placement right where it is used. Where parameters are
+stored (ZeRO-3: sharded over `data` on `embed`) and where they are computed with (never sharded
+over `data`) are separate tables, as in Levanter; without the pin GSPMD may keep a ZeRO-3 weight
+sharded and all-reduce the activations over `data` instead of all-gathering the weight.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Dense(nn.Module):
             (*in_shape, *self.features),
             jnp.float32,
         )
+        kernel = constrain(kernel, self.axes)  # compute placement (ZeRO-3: all-gather here)
         lhs_dims = tuple(range(x.ndim - self.contract, x.ndim))
         dims = ((lhs_dims, tuple(range(self.contract))), ((), ()))
         return _dot_general(self.dot_general)(
@@ -66,6 +72,10 @@ class Embed(nn.Module):
             jnp.float32,
         )
 
+    @property
+    def table(self) -> jax.Array:
+        return constrain(self.embedding, ("vocab", "embed"))  # compute placement
+
     def __call__(self, tokens: jax.Array) -> jax.Array:
         # [B, T] -> [B, T, D]. A one-hot matmul rather than a gather: with `vocab` sharded over
         # `tensor` it partitions as local partial sums plus one all-reduce of [B, T, D] (Megatron's
@@ -74,14 +84,14 @@ class Embed(nn.Module):
         one_hot = constrain(one_hot, ("activation_batch", "activation_length", "activation_vocab"))
         dims = (((2,), (0,)), ((), ()))
         return _dot_general(self.dot_general)(
-            one_hot, self.embedding.astype(self.dtype), dims, preferred_element_type=self.dtype
+            one_hot, self.table.astype(self.dtype), dims, preferred_element_type=self.dtype
         )
 
     def attend(self, x: jax.Array) -> jax.Array:
         # [B, T, D] x [V, D] -> [B, T, V]
         dims = (((2,), (1,)), ((), ()))
         return _dot_general(self.dot_general)(
-            x.astype(self.dtype), self.embedding.astype(self.dtype), dims, preferred_element_type=self.dtype
+            x.astype(self.dtype), self.table.astype(self.dtype), dims, preferred_element_type=self.dtype
         )
 
 
@@ -94,6 +104,7 @@ class RMSNorm(nn.Module):
         scale = self.param(
             "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (x.shape[-1],), jnp.float32
         )
+        scale = constrain(scale, ("embed",))
         # Statistics in float32 whatever the compute dtype.
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)

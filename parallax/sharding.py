@@ -12,9 +12,10 @@ on `data`. The Flax-example names `batch` / `length` are activation names.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import flax.linen as nn
 import jax
@@ -63,7 +64,11 @@ def _replace(rules: Rules, **targets: Any) -> Rules:
 
 
 def make_rules(parallel: ParallelConfig | None = None) -> Rules:
-    """Rules for parameters and activations under a parallel config (ZeRO-3 puts `embed` on data)."""
+    """Parameter placement (storage) rules under a parallel config: ZeRO-3 puts `embed` on data.
+
+    Compute placement (activations, and parameters at the point of use) always follows
+    DEFAULT_RULES: a ZeRO-3 weight is all-gathered over `data` before its matmul.
+    """
     parallel = parallel or ParallelConfig()
     if parallel.zero >= 3:
         return _replace(DEFAULT_RULES, embed=DATA)
@@ -220,3 +225,10 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
         return x
     spec = logical_to_spec(names, validate_rules(rules, mesh), where=f"activation {names}")
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+@contextlib.contextmanager
+def logical_context(mesh: jax.sharding.Mesh, rules: Rules) -> Iterator[None]:
+    """Trace model code under `rules` on `mesh` (usable inside `jax.jit`, unlike `jax.set_mesh`)."""
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
+        yield

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from parallax.config import Config
 from parallax.model import Transformer
 from parallax.optim import make_optimizer
-from parallax.sharding import Rules, logical_shardings, make_rules, optimizer_rules
+from parallax.sharding import DEFAULT_RULES, Rules, logical_context, logical_shardings, make_rules, optimizer_rules
 
 
 @struct.dataclass
@@ -38,7 +38,7 @@ class Layout:
     model: Transformer
     tx: optax.GradientTransformation
     mesh: jax.sharding.Mesh
-    rules: Rules  # parameters and activations
+    rules: Rules  # compute placement: activations and parameters at the point of use
     logical_specs: Any  # params tree of logical PartitionSpecs
     abstract_state: TrainState
     state_shardings: TrainState
@@ -56,7 +56,7 @@ def _init_params(model: Transformer, cfg: Config, rng: jax.Array) -> Any:
 def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None = None) -> Layout:
     model = model or Transformer(cfg.model, remat=cfg.parallel.remat)
     tx = make_optimizer(cfg)
-    rules = make_rules(cfg.parallel)
+    rules = DEFAULT_RULES
     boxed = jax.eval_shape(lambda r: _init_params(model, cfg, r), jax.random.key(0))
     logical_specs = nn.get_partition_spec(boxed)
     params = nn.unbox(boxed)
@@ -64,7 +64,7 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None 
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=opt_state)
 
     replicated = NamedSharding(mesh, P())
-    param_shardings = logical_shardings(logical_specs, mesh, rules)
+    param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
     opt_param_shardings = logical_shardings(logical_specs, mesh, optimizer_rules(cfg.parallel))
     # Moments mirror the params tree inside optax's state; everything else (counts) is replicated.
     opt_shardings = optax.tree_map_params(
@@ -80,12 +80,11 @@ def init_state(cfg: Config, layout: Layout) -> TrainState:
     """Initialise parameters and optimizer state directly in their shardings."""
 
     def init(rng: jax.Array) -> TrainState:
-        with nn.logical_axis_rules(layout.rules):
+        with logical_context(layout.mesh, layout.rules):
             params = nn.unbox(_init_params(layout.model, cfg, rng))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=layout.tx.init(params))
 
-    with jax.set_mesh(layout.mesh):
-        return jax.jit(init, out_shardings=layout.state_shardings)(jax.random.key(cfg.train.seed))
+    return jax.jit(init, out_shardings=layout.state_shardings)(jax.random.key(cfg.train.seed))
 
 
 def bytes_per_device(tree: Any) -> int:

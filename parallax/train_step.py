@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -17,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import Config
 from parallax.optim import make_schedule
-from parallax.sharding import BATCH_AXES
+from parallax.sharding import BATCH_AXES, logical_context
 from parallax.train_state import Layout, TrainState
 
 Batch = dict[str, jax.Array]  # 'inputs', 'targets': [B, T] int32
@@ -35,21 +34,11 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def make_loss_fn(layout: Layout) -> Callable[[Any, Batch], jax.Array]:
     def loss_fn(params: Any, batch: Batch) -> jax.Array:
-        with nn.logical_axis_rules(layout.rules):
+        with logical_context(layout.mesh, layout.rules):
             logits = layout.model.apply({"params": params}, batch["inputs"])
         return cross_entropy(logits, batch["targets"])
 
     return loss_fn
-
-
-def _on_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
-    # The mesh context lets `constrain` resolve logical names while the step is traced.
-    def call(*args):
-        with jax.set_mesh(mesh):
-            return fn(*args)
-
-    call.jitted = fn
-    return call
 
 
 def make_grad_fn(layout: Layout) -> Callable[[Any, Batch], tuple[jax.Array, Any]]:
@@ -59,7 +48,7 @@ def make_grad_fn(layout: Layout) -> Callable[[Any, Batch], tuple[jax.Array, Any]
         in_shardings=(layout.param_shardings, batch_sharding(layout.mesh)),
         out_shardings=(NamedSharding(layout.mesh, P()), layout.param_shardings),
     )
-    return _on_mesh(fn, layout.mesh)
+    return fn
 
 
 def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
@@ -80,7 +69,7 @@ def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch]
         out_shardings=(layout.state_shardings, replicated),
         donate_argnums=(0,),
     )
-    return _on_mesh(fn, layout.mesh)
+    return fn
 
 
 def make_eval_step(layout: Layout) -> Callable[[Any, Batch], jax.Array]:
@@ -89,4 +78,4 @@ def make_eval_step(layout: Layout) -> Callable[[Any, Batch], jax.Array]:
         in_shardings=(layout.param_shardings, batch_sharding(layout.mesh)),
         out_shardings=NamedSharding(layout.mesh, P()),
     )
-    return _on_mesh(fn, layout.mesh)
+    return fn
