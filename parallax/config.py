@@ -138,10 +138,10 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.steps=10")
         section, _, name = key.partition(".")
         top = _field_types(Config)
-        if section not in top or (name and not dataclasses.is_dataclass(top[section])):
-            if section == "name" and not name:
-                cfg = dataclasses.replace(cfg, name=_coerce(key, raw, str))
-                continue
+        if key == "name":
+            cfg = dataclasses.replace(cfg, name=_coerce(key, raw.strip(), str))
+            continue
+        if section not in top or not dataclasses.is_dataclass(top[section]):
             raise ConfigError(f"unknown config key {key!r} (sections: {', '.join(top)})")
         sub_cls = top[section]
         fields = _field_types(sub_cls)
@@ -264,9 +264,32 @@ def load_experiment(path: str | Path) -> Config:
     get_config = getattr(module, "get_config", None)
     if not callable(get_config):
         raise ConfigError(f"experiment file {str(path)!r} does not define get_config()")
-    cfg = get_config()
+    try:
+        cfg = get_config()
+    except Exception as e:  # the user's get_config() raised: name the file, keep the reason
+        raise ConfigError(f"experiment file {str(path)!r}: get_config() failed: {type(e).__name__}: {e}") from e
     if not isinstance(cfg, Config):
         raise ConfigError(f"{str(path)!r}: get_config() must return parallax.config.Config, got {type(cfg).__name__}")
+    check_types(cfg)
     if cfg.name == Config.name:
         cfg = dataclasses.replace(cfg, name=path.stem)
     return cfg
+
+
+def check_types(cfg: Config) -> None:
+    """Every field holds its declared type (experiment files bypass the override parser)."""
+    if not isinstance(cfg.name, str):
+        raise ConfigError(f"name: expected str, got {cfg.name!r}")
+    for section, sub_cls in _field_types(Config).items():
+        if not dataclasses.is_dataclass(sub_cls):
+            continue
+        sub = getattr(cfg, section)
+        if not isinstance(sub, sub_cls):
+            raise ConfigError(f"{section}: expected {sub_cls.__name__}, got {type(sub).__name__}")
+        for name, expected in _field_types(sub_cls).items():
+            value = getattr(sub, name)
+            ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                ok = True
+            if not ok:
+                raise ConfigError(f"{section}.{name}: expected {expected.__name__}, got {value!r}")

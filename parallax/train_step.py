@@ -59,7 +59,7 @@ def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch]
         loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
         updates, opt_state = layout.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     replicated = NamedSharding(layout.mesh, P())

@@ -1,0 +1,308 @@
+"""Benchmark: what parallax's step machinery costs on one device, and what depth costs to compile.
+
+    python experiments/bench_overhead.py                 # full run, ~1-3 minutes on a 2-core CPU
+    python experiments/bench_overhead.py --tiny          # seconds; what tests/test_bench_overhead.py runs
+    python experiments/bench_overhead.py --json out.json # also write the figures as JSON
+
+A script, not a timed test: it prints figures and PASS/FAIL against the targets, and exits 0 either
+way (a nonzero exit means it crashed). Everything runs on ONE device (a data=1 mesh over the first
+device), so no collective is involved and any difference is the step machinery itself.
+
+1. Step overhead (target: parallax / plain <= 1.03 per step).
+   - parallax: `make_train_step(cfg, layout)`: explicit in/out shardings, logical-name activation
+     constraints under the mesh, TrainState, donated state, metrics (loss, grad norm, lr).
+   - plain: a hand-written `jax.jit` of value_and_grad + the same optax chain (`make_optimizer`),
+     applying the same Flax `Transformer` module with no mesh and no rules (its `constrain` calls
+     are no-ops then), donating params and optimizer state, returning only the loss.
+   Same parameters (copied from the parallax init) and the same batch; the first-step losses and
+   the updated parameters are compared. Both are compiled first, then timed in interleaved
+   rounds (A, B, A, B, ...) of `--steps` steps each, blocking at the end of each round; the figure
+   is the median per-step time over rounds, which cancels slow drift of the machine.
+   Default size: d_model 256, 4 layers, 4 heads, d_ff 1024, vocab 256: 4.3M parameters; batch
+   4 x 256 = 1,024 tokens per step, ~6 * 4.3M * 1024 = ~27 GFLOP per step (plus attention):
+   ~0.6 s per step on a 2-core CPU, so dispatch noise (~10s of us) is far below 1%.
+
+2. Compile time with depth (target: 32 layers / 4 layers <= 1.5). The block stack is one
+   `nn.scan`, so the HLO holds one block body whatever the depth. For each depth a fresh layout
+   and train step are lowered against the abstract state (ShapeDtypeStructs carrying their
+   shardings) and compiled; the figure is the min over `--compile-reps` repetitions of
+   lower + compile, with `jax.clear_caches()` before each so no repetition is a cache hit (the
+   persistent compilation cache is switched off for this process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+
+import flax
+import flax.linen as nn  # noqa: F401  (flax version print)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from parallax.config import Config, MeshConfig, ModelConfig, OptimConfig, TrainConfig
+from parallax.mesh import available_devices, make_mesh
+from parallax.model import Transformer, count_params, flops_per_token
+from parallax.optim import make_optimizer
+from parallax.train_state import init_state, make_layout
+from parallax.train_step import batch_sharding, make_train_step
+
+STEP_TARGET = 1.03
+COMPILE_TARGET = 1.5
+
+
+def make_config(tiny: bool, n_layers: int | None = None) -> Config:
+    if tiny:
+        model = ModelConfig(d_model=64, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=128, vocab_size=256)
+        train = TrainConfig(steps=1000, global_batch=2, seq_len=32)
+    else:
+        model = ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=1024, vocab_size=256)
+        train = TrainConfig(steps=1000, global_batch=4, seq_len=256)
+    if n_layers is not None:
+        model = dataclasses.replace(model, n_layers=n_layers)
+    # warmup 1: the learning rate is nonzero from the second step on, so the updates are real work.
+    return Config(name="bench_overhead", mesh=MeshConfig(data=1), model=model,
+                  optim=OptimConfig(warmup_steps=1), train=train)
+
+
+def make_plain_step(cfg: Config):
+    """The hand-written baseline: value_and_grad + optax under a bare jit, no shardings."""
+    model = Transformer(cfg.model)
+    tx = make_optimizer(cfg)
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["inputs"])  # [B, T, V] float32
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1))
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def jitted(step):
+    """The `jax.jit` object behind a parallax step (older versions wrap it to set the mesh)."""
+    return getattr(step, "jitted", step)
+
+
+def host_copy(tree, device):
+    """A fresh device copy through the host: never aliases the (donated) source buffers."""
+    return jax.device_put(jax.tree.map(np.asarray, tree), device)
+
+
+def hlo_opcodes(compiled) -> collections.Counter:
+    """Instruction count per opcode in an optimized HLO module text."""
+    ops = collections.Counter()
+    for line in compiled.as_text().splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][\w\-]*)\(", line)
+        if m and "=" in line:
+            ops[m.group(1)] += 1
+    return ops
+
+
+def bench_step(cfg: Config, rounds: int, steps: int) -> dict:
+    device = available_devices(1)[0]
+    mesh = make_mesh(cfg.mesh, devices=[device])
+    layout = make_layout(cfg, mesh)
+    state = init_state(cfg, layout)
+    par_step = make_train_step(cfg, layout)
+    plain_step = make_plain_step(cfg)
+
+    b, t, v = cfg.train.global_batch, cfg.train.seq_len, cfg.model.vocab_size
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (b, t + 1), 0, v, jnp.int32))
+    host_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    par_batch = jax.device_put(host_batch, batch_sharding(mesh))
+    plain_batch = jax.device_put(host_batch, device)
+
+    # Same starting point: copy before the parallax step donates its state.
+    params = host_copy(state.params, device)
+    opt_state = host_copy(state.opt_state, device)
+
+    # Compile both (timed, for information) and check they compute the same thing.
+    t0 = time.perf_counter()
+    state, metrics = par_step(state, par_batch)
+    jax.block_until_ready(state)
+    first_par = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    params, opt_state, loss = plain_step(params, opt_state, plain_batch)
+    jax.block_until_ready(params)
+    first_plain = time.perf_counter() - t0
+    loss_par, loss_plain = float(metrics["loss"]), float(loss)
+    param_diff = max(
+        float(jnp.max(jnp.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params))
+    )
+    print(f"first step (compile + run): parallax {first_par:.2f} s, plain {first_plain:.2f} s")
+    print(f"first-step loss: parallax {loss_par:.7f}  plain {loss_plain:.7f}  "
+          f"|diff| {abs(loss_par - loss_plain):.2e}; max |param diff| after step 1: {param_diff:.2e}")
+
+    # One more untimed step each so both are in steady state (lr > 0, caches warm).
+    state, _ = par_step(state, par_batch)
+    params, opt_state, _ = plain_step(params, opt_state, plain_batch)
+    jax.block_until_ready((state, params))
+
+    def run_par(n):
+        nonlocal state
+        for _ in range(n):
+            state, _ = par_step(state, par_batch)
+        jax.block_until_ready(state)
+
+    def run_plain(n):
+        nonlocal params, opt_state
+        for _ in range(n):
+            params, opt_state, _ = plain_step(params, opt_state, plain_batch)
+        jax.block_until_ready(params)
+
+    times = {"parallax": [], "plain": []}
+    for r in range(rounds):
+        # Alternate which goes first so neither always follows the other.
+        order = [("parallax", run_par), ("plain", run_plain)]
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            fn(steps)
+            times[name].append((time.perf_counter() - t0) / steps)
+    par_ms = 1e3 * statistics.median(times["parallax"])
+    plain_ms = 1e3 * statistics.median(times["plain"])
+
+    # HLO comparison of the two compiled steps (a cache hit, not recompiled).
+    with jax.set_mesh(mesh):
+        par_ops = hlo_opcodes(jitted(par_step).lower(state, par_batch).compile())
+    plain_ops = hlo_opcodes(plain_step.lower(params, opt_state, plain_batch).compile())
+    diff = {k: par_ops[k] - plain_ops[k] for k in set(par_ops) | set(plain_ops) if par_ops[k] != plain_ops[k]}
+
+    return {
+        "step_ms_parallax": par_ms,
+        "step_ms_plain": plain_ms,
+        "step_ratio": par_ms / plain_ms,
+        "step_ms_parallax_rounds": [1e3 * x for x in times["parallax"]],
+        "step_ms_plain_rounds": [1e3 * x for x in times["plain"]],
+        "first_step_s_parallax": first_par,
+        "first_step_s_plain": first_plain,
+        "loss_parallax": loss_par,
+        "loss_plain": loss_plain,
+        "max_param_diff_step1": param_diff,
+        "hlo_instructions_parallax": sum(par_ops.values()),
+        "hlo_instructions_plain": sum(plain_ops.values()),
+        "hlo_opcode_diff": dict(sorted(diff.items())),
+    }
+
+
+def compile_seconds(cfg: Config, reps: int) -> dict:
+    """min over reps of (lower, compile) seconds for the parallax step, from abstract state."""
+    device = available_devices(1)[0]
+    best = None
+    for _ in range(reps):
+        jax.clear_caches()
+        mesh = make_mesh(cfg.mesh, devices=[device])
+        layout = make_layout(cfg, mesh)  # a fresh Transformer each time
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            layout.abstract_state, layout.state_shardings,
+        )
+        b, t = cfg.train.global_batch, cfg.train.seq_len
+        tok = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=batch_sharding(mesh))
+        step = make_train_step(cfg, layout)
+        with jax.set_mesh(mesh):
+            t0 = time.perf_counter()
+            lowered = jitted(step).lower(abstract, {"inputs": tok, "targets": tok})
+            t1 = time.perf_counter()
+            lowered.compile()
+            t2 = time.perf_counter()
+        rep = (t1 - t0, t2 - t1)
+        if best is None or sum(rep) < sum(best):
+            best = rep
+    return {"lower_s": best[0], "compile_s": best[1], "total_s": sum(best)}
+
+
+def verdict(ratio: float, target: float) -> str:
+    return "PASS" if ratio <= target else "FAIL"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny model, few steps: a seconds-long smoke run")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds per step (default 8; tiny 3)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per round (default 5; tiny 3)")
+    ap.add_argument("--compile-reps", type=int, default=None, help="repetitions per depth, min kept (default 2; tiny 1)")
+    ap.add_argument("--layers", type=int, nargs=2, default=(4, 32), metavar=("SHALLOW", "DEEP"))
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    args = ap.parse_args(argv)
+    rounds = args.rounds or (3 if args.tiny else 8)
+    steps = args.steps or (3 if args.tiny else 5)
+    args.compile_reps = args.compile_reps or (1 if args.tiny else 2)
+
+    # Compile-time figures must not come from an on-disk cache.
+    jax.config.update("jax_enable_compilation_cache", False)
+
+    cfg = make_config(args.tiny)
+    m, tr = cfg.model, cfg.train
+    device = available_devices(1)[0]
+    tokens = tr.global_batch * tr.seq_len
+    print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  python {platform.python_version()}  "
+          f"jax {jax.__version__}  jaxlib {jax.lib.__version__ if hasattr(jax.lib, '__version__') else '?'}  "
+          f"flax {flax.__version__}  optax {optax.__version__}")
+    print(f"device {device.platform}:{device.device_kind} (1 of {len(jax.devices())})  "
+          f"host {platform.machine()} x{__import__('os').cpu_count()} cpus")
+    print(f"model d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads} d_ff={m.d_ff} "
+          f"vocab={m.vocab_size} params={count_params(m)['total']:,}; batch {tr.global_batch} x {tr.seq_len} "
+          f"= {tokens:,} tokens, {flops_per_token(m, tr.seq_len) * tokens / 1e9:.1f} GFLOP/step")
+    print(f"timing: {rounds} interleaved rounds x {steps} steps each")
+
+    step = bench_step(cfg, rounds, steps)
+    print("per-round ms  parallax: " + " ".join(f"{x:.1f}" for x in step["step_ms_parallax_rounds"]))
+    print("per-round ms  plain:    " + " ".join(f"{x:.1f}" for x in step["step_ms_plain_rounds"]))
+    print(f"HLO instructions: parallax {step['hlo_instructions_parallax']}, plain {step['hlo_instructions_plain']}; "
+          f"opcode differences (parallax - plain): {step['hlo_opcode_diff'] or 'none'}")
+
+    shallow, deep = args.layers
+    comp = {}
+    for n in (shallow, deep):
+        comp[n] = compile_seconds(make_config(args.tiny, n_layers=n), args.compile_reps)
+        print(f"compile {n:>3} layers: lower {comp[n]['lower_s']:.2f} s + compile {comp[n]['compile_s']:.2f} s "
+              f"= {comp[n]['total_s']:.2f} s (min of {args.compile_reps})")
+    compile_ratio = comp[deep]["total_s"] / comp[shallow]["total_s"]
+
+    print()
+    print(f"RESULT step_ms_parallax   {step['step_ms_parallax']:.2f}")
+    print(f"RESULT step_ms_plain      {step['step_ms_plain']:.2f}")
+    print(f"RESULT step_ratio         {step['step_ratio']:.4f}  target <= {STEP_TARGET}  "
+          f"{verdict(step['step_ratio'], STEP_TARGET)}")
+    print(f"RESULT compile_s_{shallow}L       {comp[shallow]['total_s']:.2f}")
+    print(f"RESULT compile_s_{deep}L      {comp[deep]['total_s']:.2f}")
+    print(f"RESULT compile_ratio      {compile_ratio:.4f}  target <= {COMPILE_TARGET}  "
+          f"{verdict(compile_ratio, COMPILE_TARGET)}")
+
+    if args.json:
+        out = {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+            "device": f"{device.platform}:{device.device_kind}", "cpus": __import__("os").cpu_count(),
+            "tiny": args.tiny, "rounds": rounds, "steps_per_round": steps,
+            "model": dataclasses.asdict(m), "batch": [tr.global_batch, tr.seq_len],
+            **step,
+            "step_target": STEP_TARGET, "step_pass": step["step_ratio"] <= STEP_TARGET,
+            "compile": {f"{n}_layers": comp[n] for n in (shallow, deep)},
+            "compile_ratio": compile_ratio, "compile_target": COMPILE_TARGET,
+            "compile_pass": compile_ratio <= COMPILE_TARGET,
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

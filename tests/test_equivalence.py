@@ -1,0 +1,107 @@
+"""Layout never changes the math: every mesh and ZeRO stage equals the single-device reference.
+
+Same seed -> bit-identical initial parameters on every layout; loss and gradients at those
+parameters within the fp32 tolerances recorded in BUILD_NOTES.md; and two full AdamW steps land
+on the same parameters.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from parallax.config import Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from parallax.mesh import available_devices, make_mesh
+from parallax.train_state import init_state, make_layout
+from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
+
+# fp32 everywhere; only the order of floating-point reductions differs between layouts.
+LOSS_RTOL = 1e-6
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6  # relative to each gradient leaf's max magnitude, see _close
+PARAM_ATOL = 1e-5  # after two AdamW steps at lr 1e-3: 1% of one step (Adam normalises tiny gradients)
+
+BASE = Config(
+    model=ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256),
+    optim=OptimConfig(warmup_steps=1),  # step 0 runs at lr 0, step 1 at the full lr
+    train=TrainConfig(global_batch=8, seq_len=32, lr=1e-3, seed=3),
+)
+
+LAYOUTS = {
+    "data8": (MeshConfig(data=8), 0),
+    "data2_tensor4": (MeshConfig(data=2, tensor=4), 0),
+    "data4_tensor2": (MeshConfig(data=4, tensor=2), 0),
+    "data4_tensor2_zero1": (MeshConfig(data=4, tensor=2), 1),
+    "data4_tensor2_zero3": (MeshConfig(data=4, tensor=2), 3),
+    "data8_zero3": (MeshConfig(data=8), 3),
+}
+
+
+def _config(mesh: MeshConfig, zero: int) -> Config:
+    return dataclasses.replace(BASE, mesh=mesh, parallel=ParallelConfig(zero=zero))
+
+
+def _batch(mesh):
+    rows = np.random.default_rng(0).integers(0, 256, (8, 33)).astype(np.int32)
+    return jax.device_put({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, batch_sharding(mesh))
+
+
+def _run(cfg: Config, devices=None):
+    mesh = make_mesh(cfg.mesh, devices)
+    layout = make_layout(cfg, mesh)
+    state = init_state(cfg, layout)
+    batch = _batch(mesh)
+    params0 = jax.tree.map(np.asarray, state.params)
+    loss, grads = make_grad_fn(layout)(state.params, batch)
+    step = make_train_step(cfg, layout)
+    for _ in range(2):
+        state, metrics = step(state, batch)
+    return {
+        "params0": params0,
+        "loss": float(loss),
+        "grads": jax.tree.map(np.asarray, grads),
+        "params2": jax.tree.map(np.asarray, state.params),
+        "state": state,
+        "layout": layout,
+    }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg = _config(MeshConfig(data=1), 0)
+    return _run(cfg, available_devices(1))
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def sharded(request):
+    mesh, zero = LAYOUTS[request.param]
+    return _run(_config(mesh, zero))
+
+
+def _close(a, b, rtol, atol):
+    scale = max(np.abs(b).max(), 1e-30)
+    return np.abs(a - b).max() <= atol + rtol * scale
+
+
+def test_initial_parameters_identical(reference, sharded):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(sharded["params0"]), jax.tree.leaves(reference["params0"])):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+def test_loss_and_gradients_match(reference, sharded):
+    np.testing.assert_allclose(sharded["loss"], reference["loss"], rtol=LOSS_RTOL)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(sharded["grads"]), jax.tree.leaves(reference["grads"])):
+        assert _close(g, r, GRAD_RTOL, GRAD_ATOL), (jax.tree_util.keystr(path), np.abs(g - r).max(), np.abs(r).max())
+
+
+def test_two_adamw_steps_match(reference, sharded):
+    for (path, p), r in zip(jax.tree_util.tree_leaves_with_path(sharded["params2"]), jax.tree.leaves(reference["params2"])):
+        np.testing.assert_allclose(p, r, atol=PARAM_ATOL, rtol=0, err_msg=jax.tree_util.keystr(path))
+    moved = max(np.abs(p - q).max() for p, q in zip(jax.tree.leaves(sharded["params2"]), jax.tree.leaves(sharded["params0"])))
+    assert moved > 1e-4  # the steps really updated the parameters
+
+
+def test_state_lives_in_its_shardings(sharded):
+    layout, state = sharded["layout"], sharded["state"]
+    for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(layout.state_shardings)):
+        assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (leaf.sharding, want)
