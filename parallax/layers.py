@@ -5,8 +5,10 @@ Parameters are float32 (master weights); compute happens in `dtype`.
 
 Every parameter is pinned to its compute placement right where it is used. Where parameters are
 stored (ZeRO-3: sharded over `data` on `embed`) and where they are computed with (never sharded
-over `data`) are separate tables, as in Levanter; without the pin GSPMD may keep a ZeRO-3 weight
-sharded and all-reduce the activations over `data` instead of all-gathering the weight.
+over `data`) are separate tables, as in Levanter. With nothing pinning layouts, GSPMD was seen
+keeping a ZeRO-3 weight sharded and all-reducing [B, T, F]-sized activations over `data` instead
+of all-gathering the weight; the pin makes the all-gather a stated decision, not a propagation
+outcome (tests/test_audit.py checks the compiled result).
 """
 
 from __future__ import annotations
