@@ -97,7 +97,13 @@ def validate_rules(rules: Iterable[tuple[str, Any]], mesh: jax.sharding.Mesh | N
         if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)):
             raise ShardingError(f"rule {rule!r}: expected (logical_name, mesh_axes)")
         name, axes = rule
+        if not (axes is None or isinstance(axes, str) or (
+            isinstance(axes, (tuple, list)) and all(isinstance(a, str) for a in axes)
+        )):
+            raise ShardingError(f"rule for {name!r}: mesh axes must be None, a name or a tuple of names, got {axes!r}")
         axes = _as_tuple(axes)
+        if len(set(axes)) != len(axes):
+            raise ShardingError(f"rule for {name!r} names a mesh axis twice: {axes}")
         if name in table:
             raise ShardingError(
                 f"conflicting rules for logical axis {name!r}: {table[name] or None} and {axes or None} "
@@ -113,11 +119,14 @@ def validate_rules(rules: Iterable[tuple[str, Any]], mesh: jax.sharding.Mesh | N
 def logical_to_spec(logical: Iterable[str | None], table: dict[str, tuple[str, ...]], where: str = "") -> P:
     """Map logical names to a PartitionSpec; unknown names and a mesh axis used twice raise."""
     logical = tuple(logical)
-    out, used = [], {}
+    out, used, seen = [], {}, {}
     for dim, name in enumerate(logical):
         if name is None:
             out.append(None)
             continue
+        if name in seen:
+            raise ShardingError(f"{where}: logical axis {name!r} names both dimensions {seen[name]} and {dim}")
+        seen[name] = dim
         if name not in table:
             raise ShardingError(f"{where}: logical axis {name!r} is covered by no rule")
         axes = table[name]
@@ -205,8 +214,8 @@ def check(abstract_variables: Any, rules: Iterable[tuple[str, Any]], mesh: jax.s
 def logical_shardings(logical_specs: Any, mesh: jax.sharding.Mesh, rules: Rules) -> Any:
     """A tree of logical PartitionSpecs (from `nn.get_partition_spec`) -> NamedShardings."""
     table = validate_rules(rules, mesh)
-    return jax.tree.map(
-        lambda spec: NamedSharding(mesh, logical_to_spec(tuple(spec), table)),
+    return jax.tree_util.tree_map_with_path(
+        lambda path, spec: NamedSharding(mesh, logical_to_spec(tuple(spec), table, where=jax.tree_util.keystr(path))),
         logical_specs,
         is_leaf=lambda x: isinstance(x, P),
     )
