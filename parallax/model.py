@@ -49,36 +49,46 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    """Three stages a pipeline can take apart: `embed_tokens`, `run_blocks`, `head`."""
+
     cfg: ModelConfig
     remat: str = "none"
     dot_general: DotGeneralFactory = None
 
-    @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """[B, T] int token ids -> [B, T, V] float32 logits."""
+    def setup(self) -> None:
         c = self.cfg
         dtype = jnp.dtype(c.dtype)
-        embed = Embed(c.vocab_size, c.d_model, c.init_std, dtype, self.dot_general, name="embed")
-        x = constrain(embed(tokens), RESIDUAL)  # [B, T, D]
+        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, dtype, self.dot_general)
         block = Block
         if self.remat != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        stack = nn.scan(
+        self.layers = nn.scan(
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
             length=c.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        x, _ = stack(c, self.dot_general, name="layers")(x, None)  # [B, T, D]
-        x = RMSNorm(c.norm_eps, dtype, name="final_norm")(x)
-        if c.tie_embeddings:
-            logits = embed.attend(x)
-        else:
-            logits = Dense((c.vocab_size,), ("embed", "vocab"), init_std=c.init_std, dtype=dtype,
-                           dot_general=self.dot_general, name="logits")(x)
+        )(c, self.dot_general)
+        self.final_norm = RMSNorm(c.norm_eps, dtype)
+        if not c.tie_embeddings:
+            self.logits = Dense((c.vocab_size,), ("embed", "vocab"), init_std=c.init_std, dtype=dtype,
+                                dot_general=self.dot_general)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return constrain(self.embed(tokens), RESIDUAL)  # [B, T] -> [B, T, D]
+
+    def run_blocks(self, x: jax.Array) -> jax.Array:
+        return self.layers(x, None)[0]  # [B, T, D], scanned over the L layers
+
+    def head(self, x: jax.Array) -> jax.Array:
+        x = self.final_norm(x)
+        logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.logits(x)
         logits = constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
         return logits.astype(jnp.float32)  # [B, T, V]
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """[B, T] int token ids -> [B, T, V] float32 logits."""
+        return self.head(self.run_blocks(self.embed_tokens(tokens)))
 
 
 # ----------------------------------------------------------------------------------------------
