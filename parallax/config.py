@@ -56,6 +56,9 @@ class ModelConfig:
 class ParallelConfig:
     zero: int = 0  # 0 replicated, 1 optimizer state over data, 3 parameters too (FSDP)
     remat: str = "none"  # none | full | dots
+    microbatches: int = 1  # pipeline microbatches per step (M)
+    schedule: str = "gpipe"  # gpipe | circular
+    repeats: int = 1  # layer chunks per pipeline stage (circular schedule)
 
 
 @dataclass(frozen=True)
@@ -224,8 +227,7 @@ def validate(cfg: Config, sizes: dict[str, int]) -> None:
         )
     if cfg.parallel.remat not in ("none", "full", "dots"):
         raise ConfigError(f"parallel.remat: must be 'none', 'full' or 'dots', got {cfg.parallel.remat!r}")
-    if sizes["pipe"] != 1:
-        raise ConfigError("mesh.pipe: pipeline parallelism is not built yet; use mesh.pipe=1")
+    _validate_pipeline(cfg, sizes)
     if sizes["expert"] != 1:
         raise ConfigError("mesh.expert: expert parallelism needs MoE layers, not built yet; use mesh.expert=1")
     for name in ("steps", "global_batch", "seq_len", "log_every", "eval_batches"):
@@ -238,12 +240,37 @@ def validate(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(
             f"train.global_batch={tr.global_batch} must be divisible by mesh.data x mesh.expert = {dp}"
         )
+    mb = cfg.parallel.microbatches
+    if mb > 1 and tr.global_batch % (mb * dp):
+        raise ConfigError(
+            f"train.global_batch={tr.global_batch} must be divisible by parallel.microbatches x mesh.data x "
+            f"mesh.expert = {mb} x {dp}"
+        )
     if cfg.data.token_dtype not in ("uint16", "uint32"):
         raise ConfigError(f"data.token_dtype: must be 'uint16' or 'uint32', got {cfg.data.token_dtype!r}")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
     if cfg.data.source == "stdlib" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 256 for data.source='stdlib' (bytes)")
+
+
+def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
+    par, p = cfg.parallel, sizes["pipe"]
+    if par.schedule not in ("gpipe", "circular"):
+        raise ConfigError(f"parallel.schedule: must be 'gpipe' or 'circular', got {par.schedule!r}")
+    if par.microbatches < 1 or par.repeats < 1:
+        name = "microbatches" if par.microbatches < 1 else "repeats"
+        raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(par, name)}")
+    if par.repeats > 1 and par.schedule != "circular":
+        raise ConfigError(f"parallel.repeats={par.repeats} needs parallel.schedule='circular', got {par.schedule!r}")
+    if p > 1 and par.microbatches < p:
+        raise ConfigError(f"parallel.microbatches={par.microbatches} must be >= mesh.pipe={p}")
+    if par.schedule == "circular" and par.microbatches % p:
+        raise ConfigError(f"parallel.microbatches={par.microbatches} must be a multiple of mesh.pipe={p} (circular)")
+    if cfg.model.n_layers % (p * par.repeats):
+        raise ConfigError(
+            f"model.n_layers={cfg.model.n_layers} must be divisible by mesh.pipe x parallel.repeats = {p} x {par.repeats}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------

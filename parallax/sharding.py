@@ -51,6 +51,7 @@ DEFAULT_RULES: Rules = (
     ("norm", None),
     ("layers", None),  # the scanned block stack
     ("stage", PIPE),  # pipeline stages (pipeline.py)
+    ("repeat", None),  # circular schedule: chunks per stage
     ("expert", EXPERT),  # MoE experts (expert_parallel.py)
 )
 

@@ -35,7 +35,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def make_loss_fn(layout: Layout) -> Callable[[Any, Batch], jax.Array]:
     def loss_fn(params: Any, batch: Batch) -> jax.Array:
         with logical_context(layout.mesh, layout.rules):
-            logits = layout.model.apply({"params": params}, batch["inputs"])
+            logits = layout.apply(params, batch["inputs"])
         return cross_entropy(logits, batch["targets"])
 
     return loss_fn

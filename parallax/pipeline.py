@@ -1,0 +1,162 @@
+"""The `pipe` axis: the block stack split into stages, microbatches passed round a ppermute ring.
+
+Layout. The scanned stack's parameters [L, ...] are reshaped to [R, P, Lc, ...] (R repeats, P
+stages, Lc = L / (R P) layers per chunk) with the P dimension sharded over `pipe`: chunk
+v = rep * P + s holds layers v*Lc .. (v+1)*Lc - 1 and lives on stage s = v mod P. The reshape is
+the whole conversion, so checkpoints stay layer-major (`to_layer_major` / `to_stages`) and the
+same seed initialises the same weights on any pipe size.
+
+Schedule. One SPMD program: a `shard_map` manual only over `pipe` (data, tensor and expert stay
+with the partitioner) scans over ticks; each tick every stage runs one chunk on one microbatch
+and sends its output to the next stage with `ppermute`. Stage s at tick t works on item
+k = t - s of its queue, where the queue visits microbatches in groups of P, each group going
+round the ring R times (`Schedule.work`). That is GPipe for R = 1 and the circular schedule of
+Praxis/MaxText for R > 1; ticks = R*M + P - 1 and the bubble is (P-1)/(R*M + P - 1).
+
+The embedding and the loss head run outside the pipelined stack, replicated over `pipe`; the last
+stage's outputs reach every stage through one psum over `pipe`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from parallax.config import ParallelConfig
+from parallax.mesh import PIPE
+from parallax.model import REMAT_POLICIES, Block, Transformer
+
+SCHEDULES = ("gpipe", "circular")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    stages: int  # P
+    microbatches: int  # M
+    repeats: int = 1  # R (chunks per stage)
+    name: str = "gpipe"
+
+    @property
+    def ticks(self) -> int:
+        return self.repeats * self.microbatches + self.stages - 1
+
+    def work(self, tick: int, stage: int) -> tuple[bool, int, int]:
+        """(busy, microbatch, repeat) of `stage` at `tick`; pure Python for accounting and tests."""
+        p, r, m = self.stages, self.repeats, self.microbatches
+        k = tick - stage
+        if not 0 <= k < r * m:
+            return False, 0, 0
+        group, rest = divmod(k, r * p)
+        return True, group * p + rest % p, rest // p
+
+    def idle_stage_ticks(self) -> int:
+        return sum(not self.work(t, s)[0] for t in range(self.ticks) for s in range(self.stages))
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle stage-ticks over all stage-ticks, counted from the schedule table itself."""
+        return self.idle_stage_ticks() / (self.ticks * self.stages)
+
+    def formula(self) -> float:
+        p, r, m = self.stages, self.repeats, self.microbatches
+        return (p - 1) / (r * m + p - 1)
+
+
+def make_schedule(parallel: ParallelConfig, stages: int) -> Schedule:
+    return Schedule(stages, parallel.microbatches, parallel.repeats, parallel.schedule)
+
+
+def is_pipelined(parallel: ParallelConfig, stages: int) -> bool:
+    return stages > 1 or parallel.microbatches > 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer-major <-> stage layout (a reshape of the leading axis)
+
+
+def to_stages(layers: Any, schedule: Schedule) -> Any:
+    """[L, ...] -> [R, P, L/(R P), ...] for every leaf of the scanned stack."""
+    r, p = schedule.repeats, schedule.stages
+    return jax.tree.map(lambda x: x.reshape(r, p, x.shape[0] // (r * p), *x.shape[1:]), layers)
+
+
+def to_layer_major(layers: Any) -> Any:
+    """[R, P, Lc, ...] -> [L, ...]: the inverse of `to_stages`, for checkpoints."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1] * x.shape[2], *x.shape[3:]), layers)
+
+
+def stage_specs(layer_specs: Any) -> Any:
+    """Logical specs of the stage layout: ('layers', ...) -> ('repeat', 'stage', 'layers', ...)."""
+    return jax.tree.map(lambda s: P("repeat", "stage", *s), layer_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+# ----------------------------------------------------------------------------------------------
+# The pipelined forward pass
+
+
+def _stage_fn(model: Transformer) -> Callable[[Any, jax.Array], jax.Array]:
+    """(chunk params [Lc, ...], x [b, T, D]) -> x: the chunk's layers in order."""
+    block = Block(model.cfg, model.dot_general)
+
+    def layer(x: jax.Array, params: Any) -> tuple[jax.Array, None]:
+        return block.apply({"params": params}, x)[0], None
+
+    if model.remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[model.remat], prevent_cse=False)
+    return lambda chunk, x: jax.lax.scan(layer, x, chunk)[0]
+
+
+def run_pipeline(model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh, layers: Any, x: jax.Array) -> jax.Array:
+    """The block stack on [B, T, D] activations with stage-layout `layers`; returns [B, T, D]."""
+    p, r, m = schedule.stages, schedule.repeats, schedule.microbatches
+    b, t, d = x.shape
+    # [B, T, D] -> [B/M, M, T, D] -> [M, B/M, T, D]: microbatch i takes rows i, i+M, ...; splitting
+    # this way keeps each data shard's rows on the same shard (no resharding of the batch).
+    micro = x.reshape(b // m, m, t, d).swapaxes(0, 1)
+    stage = _stage_fn(model)
+    ring = [(i, (i + 1) % p) for i in range(p)]
+
+    def body(chunks: Any, micro: jax.Array) -> jax.Array:
+        chunks = jax.tree.map(lambda c: c[:, 0], chunks)  # [R, 1, Lc, ...] -> [R, Lc, ...]
+        s = jax.lax.axis_index(PIPE)
+        varying = lambda a: jax.lax.pcast(a, PIPE, to="varying")  # noqa: E731
+
+        def tick(carry, tick_index):
+            state, outputs = carry
+            k = tick_index - s
+            busy = (k >= 0) & (k < r * m)
+            k = jnp.clip(k, 0, r * m - 1)
+            group, rest = k // (r * p), k % (r * p)
+            rep, i = rest // p, group * p + rest % p
+            fresh = jax.lax.dynamic_index_in_dim(micro, i, keepdims=False)
+            inp = jnp.where((s == 0) & (rep == 0), fresh, state)
+            chunk = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, rep, keepdims=False), chunks)
+            out = stage(chunk, inp)
+            done = busy & (s == p - 1) & (rep == r - 1)
+            prev = jax.lax.dynamic_index_in_dim(outputs, i, keepdims=False)
+            outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, out, prev), i, 0)
+            return (jax.lax.ppermute(out, PIPE, ring), outputs), None
+
+        init = (varying(jnp.zeros_like(micro[0])), varying(jnp.zeros_like(micro)))
+        (_, outputs), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+        return jax.lax.psum(outputs, PIPE)  # only the last stage wrote non-zeros
+
+    specs = jax.tree.map(lambda _: P(None, PIPE), layers)
+    out = jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P(), axis_names={PIPE})(layers, micro)
+    return out.swapaxes(0, 1).reshape(b, t, d)  # [M, B/M, T, D] -> [B, T, D]
+
+
+def make_pipelined_apply(model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh) -> Callable[[Any, jax.Array], jax.Array]:
+    """(params with stage-layout 'layers', tokens [B, T]) -> logits [B, T, V]."""
+
+    def apply(params: Any, tokens: jax.Array) -> jax.Array:
+        outer = {k: v for k, v in params.items() if k != "layers"}
+        x = model.apply({"params": outer}, tokens, method=Transformer.embed_tokens)
+        x = run_pipeline(model, schedule, mesh, params["layers"], x)
+        return model.apply({"params": outer}, x, method=Transformer.head)
+
+    return apply
