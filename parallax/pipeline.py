@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from parallax.config import ParallelConfig
 from parallax.mesh import PIPE
 from parallax.model import REMAT_POLICIES, Block, Transformer
+from parallax.sharding import BATCH_AXES, keep_axes
 
 SCHEDULES = ("gpipe", "circular")
 
@@ -110,20 +111,49 @@ def _stage_fn(model: Transformer) -> Callable[[Any, jax.Array], jax.Array]:
     return lambda chunk, x: jax.lax.scan(layer, x, chunk)[0]
 
 
-def run_pipeline(model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh, layers: Any, x: jax.Array) -> jax.Array:
-    """The block stack on [B, T, D] activations with stage-layout `layers`; returns [B, T, D]."""
+def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def run_pipeline(
+    model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh, layers: Any, layer_specs: Any, x: jax.Array
+) -> jax.Array:
+    """The block stack on [B, T, D] activations with stage-layout `layers`; returns [B, T, D].
+
+    `layer_specs`: the mesh PartitionSpecs the stage-layout parameters are stored with.
+
+    The shard_map is manual over `pipe` and over the batch axes: the parameters enter replicated
+    over the batch axes, so their gradient is reduced over `data` once, where the shard_map is
+    transposed, instead of once per tick inside the loop (which is where GSPMD put it when the
+    batch axes were left to the partitioner: M times the traffic). `tensor` stays automatic.
+    """
     p, r, m = schedule.stages, schedule.repeats, schedule.microbatches
     b, t, d = x.shape
+    manual = {PIPE, *BATCH_AXES}
     # [B, T, D] -> [B/M, M, T, D] -> [M, B/M, T, D]: microbatch i takes rows i, i+M, ...; splitting
     # this way keeps each data shard's rows on the same shard (no resharding of the batch).
     micro = x.reshape(b // m, m, t, d).swapaxes(0, 1)
     stage = _stage_fn(model)
     ring = [(i, (i + 1) % p) for i in range(p)]
+    param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
+
+    def gather_zero3(c: jax.Array, spec: P) -> jax.Array:
+        # ZeRO-3 stores weights sharded over the batch axes: gather each once per step, not per tick.
+        for dim, entry in enumerate(spec):
+            axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in BATCH_AXES)
+            if axes:
+                c = jax.lax.all_gather(c, axes, axis=dim, tiled=True)
+        return c[:, 0]  # [R, 1, Lc, ...] -> [R, Lc, ...]
 
     def body(chunks: Any, micro: jax.Array) -> jax.Array:
-        chunks = jax.tree.map(lambda c: c[:, 0], chunks)  # [R, 1, Lc, ...] -> [R, Lc, ...]
+        chunks = jax.tree.map(gather_zero3, chunks, param_specs, is_leaf=lambda a: isinstance(a, P))
         s = jax.lax.axis_index(PIPE)
-        varying = lambda a: jax.lax.pcast(a, PIPE, to="varying")  # noqa: E731
+        # Mark inputs varying here, once, outside the tick loop: the transpose of this cast is the
+        # reduction of their cotangents (weights over the batch axes, microbatches over `pipe`),
+        # which then runs once per step instead of at every use inside the loop.
+        chunks = jax.tree.map(lambda c: _vary(c, BATCH_AXES), chunks)
+        micro = _vary(micro, (PIPE,))
 
         def tick(carry, tick_index):
             state, outputs = carry
@@ -141,22 +171,26 @@ def run_pipeline(model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh
             outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, out, prev), i, 0)
             return (jax.lax.ppermute(out, PIPE, ring), outputs), None
 
-        init = (varying(jnp.zeros_like(micro[0])), varying(jnp.zeros_like(micro)))
+        init = (jnp.zeros_like(micro[0]), jnp.zeros_like(micro))
         (_, outputs), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
         return jax.lax.psum(outputs, PIPE)  # only the last stage wrote non-zeros
 
-    specs = jax.tree.map(lambda _: P(None, PIPE), layers)
-    out = jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P(), axis_names={PIPE})(layers, micro)
+    act_spec = P(None, BATCH_AXES)
+    out = jax.shard_map(
+        body, mesh=mesh, in_specs=(param_specs, act_spec), out_specs=act_spec, axis_names=manual
+    )(layers, micro)
     return out.swapaxes(0, 1).reshape(b, t, d)  # [M, B/M, T, D] -> [B, T, D]
 
 
-def make_pipelined_apply(model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh) -> Callable[[Any, jax.Array], jax.Array]:
+def make_pipelined_apply(
+    model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh, layer_specs: Any
+) -> Callable[[Any, jax.Array], jax.Array]:
     """(params with stage-layout 'layers', tokens [B, T]) -> logits [B, T, V]."""
 
     def apply(params: Any, tokens: jax.Array) -> jax.Array:
         outer = {k: v for k, v in params.items() if k != "layers"}
         x = model.apply({"params": outer}, tokens, method=Transformer.embed_tokens)
-        x = run_pipeline(model, schedule, mesh, params["layers"], x)
+        x = run_pipeline(model, schedule, mesh, params["layers"], layer_specs, x)
         return model.apply({"params": outer}, x, method=Transformer.head)
 
     return apply

@@ -234,7 +234,24 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     if mesh.empty or not rules:
         return x
     spec = logical_to_spec(names, validate_rules(rules, mesh), where=f"activation {names}")
-    return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, drop_axes(spec, mesh.manual_axes))
+
+
+def drop_axes(spec: P, axes: Iterable[str]) -> P:
+    """`spec` without the given mesh axes: inside a shard_map that is manual over some axes
+    (pipe, and the batch axes in the pipeline), the partitioner only places the others."""
+    axes = set(axes)
+    out = []
+    for entry in spec:
+        kept = tuple(a for a in _as_tuple(entry) if a not in axes)
+        out.append(kept[0] if len(kept) == 1 else (kept or None))
+    return P(*out)
+
+
+def keep_axes(spec: P, axes: Iterable[str]) -> P:
+    """`spec` restricted to the given mesh axes (the in_specs of a partly manual shard_map)."""
+    axes = set(axes)
+    return drop_axes(spec, {a for entry in spec for a in _as_tuple(entry)} - axes)
 
 
 @contextlib.contextmanager
