@@ -53,11 +53,22 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class Fp8Config:
+    """FP8 matmuls with per-tensor scaling (parallax/fp8.py)."""
+
+    enabled: bool = False
+    recipe: str = "delayed"  # delayed (amax history) | current (this step's amax)
+    amax_history_length: int = 1024  # as Flax/Praxis/MaxText; Transformer Engine uses 1
+    margin: float = 0.0  # scale = amax * 2^margin / fp8_max
+    logits: bool = False  # also the output projection (never the embedding lookup)
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     zero: int = 0  # 0 replicated, 1 optimizer state over data, 3 parameters too (FSDP)
     remat: str = "none"  # none | full | dots
     microbatches: int = 1  # pipeline microbatches per step (M)
-    schedule: str = "gpipe"  # gpipe | circular
+    schedule: str = "gpipe"  # gpipe | circular | 1f1b
     repeats: int = 1  # layer chunks per pipeline stage (circular schedule)
 
 
@@ -89,6 +100,13 @@ class TrainConfig:
     eval_every: int = 50  # <= 0 disables evaluation
     eval_batches: int = 2
     log_every: int = 1
+    max_bad_steps: int = 10  # consecutive non-finite (skipped) steps that stop the run
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100  # steps between saves; <= 0 saves only at the end (and on preemption)
+    keep: int = 3  # most recent checkpoints kept; >= 2 leaves a fallback if the newest is damaged
 
 
 @dataclass(frozen=True)
@@ -96,10 +114,12 @@ class Config:
     name: str = "experiment"
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,6 +255,10 @@ def validate(cfg: Config, sizes: dict[str, int]) -> None:
             raise ConfigError(f"train.{name}: must be positive, got {getattr(tr, name)}")
     if tr.lr <= 0:
         raise ConfigError(f"train.lr: must be positive, got {tr.lr}")
+    if tr.max_bad_steps <= 0:
+        raise ConfigError(f"train.max_bad_steps: must be positive, got {tr.max_bad_steps}")
+    if cfg.checkpoint.keep <= 0:
+        raise ConfigError(f"checkpoint.keep: must be positive, got {cfg.checkpoint.keep}")
     dp = sizes["data"] * sizes["expert"]
     if tr.global_batch % dp:
         raise ConfigError(
@@ -252,12 +276,41 @@ def validate(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
     if cfg.data.source == "stdlib" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 256 for data.source='stdlib' (bytes)")
+    _validate_fp8(cfg, sizes)
+
+
+FP8_COMPUTE_DTYPES = ("float32", "bfloat16")  # what parallax/fp8.py quantises from and returns
+
+
+def _validate_fp8(cfg: Config, sizes: dict[str, int]) -> None:
+    f = cfg.fp8
+    if f.recipe not in ("delayed", "current"):
+        raise ConfigError(f"fp8.recipe: must be 'delayed' or 'current', got {f.recipe!r}")
+    if f.amax_history_length < 1:
+        raise ConfigError(f"fp8.amax_history_length: must be >= 1, got {f.amax_history_length}")
+    if not (f.margin >= 0 and math.isfinite(f.margin)):
+        raise ConfigError(f"fp8.margin: must be a finite number >= 0, got {f.margin}")
+    if f.logits and not f.enabled:
+        raise ConfigError("fp8.logits=True needs fp8.enabled=True (it would be silently ignored)")
+    if not f.enabled:
+        return
+    if cfg.model.dtype not in FP8_COMPUTE_DTYPES:
+        raise ConfigError(f"fp8.enabled: model.dtype={cfg.model.dtype!r} cannot be served (needs one of {FP8_COMPUTE_DTYPES})")
+    if sizes["pipe"] > 1 or cfg.parallel.microbatches > 1:
+        # The pipeline applies blocks outside the model's apply and would drop the fp8_meta
+        # collection; a shard_map stage also needs the amax pmax-ed over pipe (fp8.py, amax_axes).
+        raise ConfigError(
+            f"fp8.enabled: not supported with pipelining yet (mesh.pipe={sizes['pipe']}, "
+            f"parallel.microbatches={cfg.parallel.microbatches}); use mesh.pipe=1 and parallel.microbatches=1"
+        )
 
 
 def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
     par, p = cfg.parallel, sizes["pipe"]
-    if par.schedule not in ("gpipe", "circular"):
-        raise ConfigError(f"parallel.schedule: must be 'gpipe' or 'circular', got {par.schedule!r}")
+    if par.schedule not in ("gpipe", "circular", "1f1b"):
+        raise ConfigError(f"parallel.schedule: must be 'gpipe', 'circular' or '1f1b', got {par.schedule!r}")
+    if par.schedule == "1f1b" and par.zero > 1:
+        raise ConfigError(f"parallel.zero={par.zero}: parallel.schedule='1f1b' supports ZeRO 0 and 1")
     if par.microbatches < 1 or par.repeats < 1:
         name = "microbatches" if par.microbatches < 1 else "repeats"
         raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(par, name)}")

@@ -3,12 +3,8 @@
 Single-device math annotated with logical axis names only; sharding.py decides where they live.
 Parameters are float32 (master weights); compute happens in `dtype`.
 
-Every parameter is pinned to its compute placement right where it is used. Where parameters are
-stored (ZeRO-3: sharded over `data` on `embed`) and where they are computed with (never sharded
-over `data`) are separate tables, as in Levanter. With nothing pinning layouts, GSPMD was seen
-keeping a ZeRO-3 weight sharded and all-reducing [B, T, F]-sized activations over `data` instead
-of all-gathering the weight; the pin makes the all-gather a stated decision, not a propagation
-outcome (tests/test_audit.py checks the compiled result).
+Parameters pass through `constrain_param` where they are used: under ZeRO-3 that is where they
+are all-gathered from their storage layout to their compute layout (see sharding.py).
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from parallax.sharding import constrain
+from parallax.sharding import constrain, constrain_param
 
 # A factory returning a Flax module with lax.dot_general's signature (e.g. an FP8 op that keeps
 # its scaling state in its own collection). None means plain jax.lax.dot_general.
@@ -49,7 +45,7 @@ class Dense(nn.Module):
             (*in_shape, *self.features),
             jnp.float32,
         )
-        kernel = constrain(kernel, self.axes)  # compute placement (ZeRO-3: all-gather here)
+        kernel = constrain_param(kernel, self.axes)  # ZeRO-3: all-gather here
         lhs_dims = tuple(range(x.ndim - self.contract, x.ndim))
         dims = ((lhs_dims, tuple(range(self.contract))), ((), ()))
         return _dot_general(self.dot_general)(
@@ -58,7 +54,11 @@ class Dense(nn.Module):
 
 
 class Embed(nn.Module):
-    """Token embedding [V, D]; `attend` reuses it as the tied output projection."""
+    """Token embedding [V, D]; `attend` reuses it as the tied output projection.
+
+    `dot_general` serves `attend` only: the lookup's one-hot matmul selects rows exactly, and an
+    FP8 (or any approximate) matmul there would only round the table itself.
+    """
 
     vocab_size: int
     d_model: int
@@ -73,10 +73,11 @@ class Embed(nn.Module):
             (self.vocab_size, self.d_model),
             jnp.float32,
         )
+        self.attend_dot_general = _dot_general(self.dot_general)  # a submodule must be made in setup
 
     @property
     def table(self) -> jax.Array:
-        return constrain(self.embedding, ("vocab", "embed"))  # compute placement
+        return constrain_param(self.embedding, ("vocab", "embed"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         # [B, T] -> [B, T, D]. A one-hot matmul rather than a gather: with `vocab` sharded over
@@ -85,14 +86,12 @@ class Embed(nn.Module):
         one_hot = jax.nn.one_hot(tokens, self.vocab_size, dtype=self.dtype)
         one_hot = constrain(one_hot, ("activation_batch", "activation_length", "activation_vocab"))
         dims = (((2,), (0,)), ((), ()))
-        return _dot_general(self.dot_general)(
-            one_hot, self.table.astype(self.dtype), dims, preferred_element_type=self.dtype
-        )
+        return jax.lax.dot_general(one_hot, self.table.astype(self.dtype), dims, preferred_element_type=self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         # [B, T, D] x [V, D] -> [B, T, V]
         dims = (((2,), (1,)), ((), ()))
-        return _dot_general(self.dot_general)(
+        return self.attend_dot_general(
             x.astype(self.dtype), self.table.astype(self.dtype), dims, preferred_element_type=self.dtype
         )
 
@@ -106,7 +105,7 @@ class RMSNorm(nn.Module):
         scale = self.param(
             "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (x.shape[-1],), jnp.float32
         )
-        scale = constrain(scale, ("embed",))
+        scale = constrain_param(scale, ("embed",))
         # Statistics in float32 whatever the compute dtype.
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)

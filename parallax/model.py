@@ -8,7 +8,7 @@ the config alone (no tracing), so planners and the CLI can report them before an
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -16,8 +16,9 @@ import jax.numpy as jnp
 
 from parallax.attention import Attention
 from parallax.config import ModelConfig
+from parallax.fp8 import FP8_COLLECTION
 from parallax.layers import MLP, Dense, DotGeneralFactory, Embed, RMSNorm
-from parallax.sharding import constrain
+from parallax.sharding import PARAM_COMPUTE, constrain, params_pinned
 
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 
@@ -26,6 +27,17 @@ REMAT_POLICIES = {
     # Selective: keep matmul outputs, recompute the cheap elementwise work (norms, silu, rope).
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
+
+
+def remat_policy(name: str) -> Callable | None:
+    """The checkpoint policy for one block; None means no remat at all.
+
+    Under ZeRO-3 even `none` remats the all-gathered weights (and only them): the backward pass
+    gathers each layer's weights again instead of holding every layer's full copy.
+    """
+    if name == "none":
+        return jax.checkpoint_policies.save_anything_except_these_names(PARAM_COMPUTE) if params_pinned() else None
+    return REMAT_POLICIES[name]
 
 
 class Block(nn.Module):
@@ -53,18 +65,20 @@ class Transformer(nn.Module):
 
     cfg: ModelConfig
     remat: str = "none"
-    dot_general: DotGeneralFactory = None
+    dot_general: DotGeneralFactory = None  # the block matmuls (attention projections, MLP)
+    logits_dot_general: DotGeneralFactory = None  # the output projection (tied or not)
 
     def setup(self) -> None:
         c = self.cfg
         dtype = jnp.dtype(c.dtype)
-        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, dtype, self.dot_general)
+        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, dtype, self.logits_dot_general)
         block = Block
-        if self.remat != "none":
-            block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        policy = remat_policy(self.remat)
+        if policy is not None:
+            block = nn.remat(Block, policy=policy, prevent_cse=False)
         self.layers = nn.scan(
             block,
-            variable_axes={"params": 0},
+            variable_axes={"params": 0, FP8_COLLECTION: 0},  # FP8 scales/histories: one per layer
             split_rngs={"params": True},
             length=c.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
@@ -72,7 +86,7 @@ class Transformer(nn.Module):
         self.final_norm = RMSNorm(c.norm_eps, dtype)
         if not c.tie_embeddings:
             self.logits = Dense((c.vocab_size,), ("embed", "vocab"), init_std=c.init_std, dtype=dtype,
-                                dot_general=self.dot_general)
+                                dot_general=self.logits_dot_general)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return constrain(self.embed(tokens), RESIDUAL)  # [B, T] -> [B, T, D]
@@ -89,6 +103,12 @@ class Transformer(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """[B, T] int token ids -> [B, T, V] float32 logits."""
         return self.head(self.run_blocks(self.embed_tokens(tokens)))
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean token cross-entropy in float32; [B, T, V], [B, T] -> []."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
 # ----------------------------------------------------------------------------------------------

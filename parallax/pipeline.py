@@ -28,10 +28,10 @@ from jax.sharding import PartitionSpec as P
 
 from parallax.config import ParallelConfig
 from parallax.mesh import PIPE
-from parallax.model import REMAT_POLICIES, Block, Transformer
+from parallax.model import Block, Transformer, remat_policy
 from parallax.sharding import BATCH_AXES, keep_axes
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class Schedule:
 
     @property
     def ticks(self) -> int:
+        if self.name == "1f1b":  # forward and backward interleaved: M + 2(P-1) ticks of both
+            return self.microbatches + 2 * (self.stages - 1)
         return self.repeats * self.microbatches + self.stages - 1
 
     def work(self, tick: int, stage: int) -> tuple[bool, int, int]:
@@ -59,12 +61,34 @@ class Schedule:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle stage-ticks over all stage-ticks, counted from the schedule table itself."""
-        return self.idle_stage_ticks() / (self.ticks * self.stages)
+        """Idle over total stage time, counted from the schedule table itself.
+
+        Time model: a backward costs twice a forward. GPipe/circular run a forward loop and a
+        backward loop of `ticks` ticks each, so this is idle stage-ticks over stage-ticks. 1F1B
+        ticks run in lockstep and skip idle halves, so a tick lasts as long as its busiest stage.
+        """
+        if self.name != "1f1b":
+            return self.idle_stage_ticks() / (self.ticks * self.stages)
+        total = 0
+        for t in range(self.ticks):
+            work = [one_f_one_b_work(self, t, s) for s in range(self.stages)]
+            total += max(int(f) + 2 * int(b) for f, _, b, _ in work)
+        return 1 - 3 * self.microbatches / total
 
     def formula(self) -> float:
         p, r, m = self.stages, self.repeats, self.microbatches
         return (p - 1) / (r * m + p - 1)
+
+
+def one_f_one_b_work(sched: Schedule, tick: int, stage: int) -> tuple[bool, int, bool, int]:
+    """1F1B: (forward busy, its microbatch, backward busy, its microbatch) of `stage` at `tick`.
+
+    Forward of microbatch i on stage s at tick i + s; its loss head and backward start on the
+    last stage in the same tick, so the backward reaches stage s at tick i + 2(P-1) - s.
+    """
+    p, m = sched.stages, sched.microbatches
+    i_f, i_b = tick - stage, tick - 2 * (p - 1) + stage
+    return 0 <= i_f < m, i_f, 0 <= i_b < m, i_b
 
 
 def make_schedule(parallel: ParallelConfig, stages: int) -> Schedule:
@@ -106,8 +130,9 @@ def _stage_fn(model: Transformer) -> Callable[[Any, jax.Array], jax.Array]:
     def layer(x: jax.Array, params: Any) -> tuple[jax.Array, None]:
         return block.apply({"params": params}, x)[0], None
 
-    if model.remat != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[model.remat], prevent_cse=False)
+    policy = remat_policy(model.remat)
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     return lambda chunk, x: jax.lax.scan(layer, x, chunk)[0]
 
 
@@ -165,11 +190,17 @@ def run_pipeline(
             fresh = jax.lax.dynamic_index_in_dim(micro, i, keepdims=False)
             inp = jnp.where((s == 0) & (rep == 0), fresh, state)
             chunk = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, rep, keepdims=False), chunks)
-            out = stage(chunk, inp)
+            # Two half-microbatches per tick, each sent as soon as it is computed: the first
+            # half's send depends on nothing the second half computes, so on accelerators the
+            # collective-permute runs behind the second half's compute (async start/done pair).
+            halves = jnp.split(inp, 2) if inp.shape[0] % 2 == 0 else [inp]
+            outs = [stage(chunk, h) for h in halves]
+            sent = [jax.lax.ppermute(o, PIPE, ring) for o in outs]
+            out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
             done = busy & (s == p - 1) & (rep == r - 1)
             prev = jax.lax.dynamic_index_in_dim(outputs, i, keepdims=False)
             outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, out, prev), i, 0)
-            return (jax.lax.ppermute(out, PIPE, ring), outputs), None
+            return (jnp.concatenate(sent) if len(sent) > 1 else sent[0], outputs), None
 
         init = (jnp.zeros_like(micro[0]), jnp.zeros_like(micro))
         (_, outputs), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))

@@ -13,12 +13,14 @@ on `data`. The Flax-example names `batch` / `length` are activation names.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import flax.linen as nn
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import ParallelConfig, UserError
@@ -254,8 +256,40 @@ def keep_axes(spec: P, axes: Iterable[str]) -> P:
     return drop_axes(spec, {a for entry in spec for a in _as_tuple(entry)} - axes)
 
 
+_PIN_PARAMS = contextvars.ContextVar("parallax_pin_params", default=False)
+PARAM_COMPUTE = "param_compute"  # checkpoint name of a parameter gathered to its compute layout
+
+
 @contextlib.contextmanager
-def logical_context(mesh: jax.sharding.Mesh, rules: Rules) -> Iterator[None]:
-    """Trace model code under `rules` on `mesh` (usable inside `jax.jit`, unlike `jax.set_mesh`)."""
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
-        yield
+def logical_context(mesh: jax.sharding.Mesh, rules: Rules, pin_params: bool = False) -> Iterator[None]:
+    """Trace model code under `rules` on `mesh` (usable inside `jax.jit`, unlike `jax.set_mesh`).
+
+    `pin_params`: parameters are stored elsewhere than they are computed with (ZeRO-3), so
+    `constrain_param` must gather them at the point of use.
+    """
+    token = _PIN_PARAMS.set(pin_params)
+    try:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
+            yield
+    finally:
+        _PIN_PARAMS.reset(token)
+
+
+def params_pinned() -> bool:
+    return _PIN_PARAMS.get()
+
+
+def constrain_param(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Place a parameter in its compute layout where it is used, if storage differs (ZeRO-3).
+
+    Where parameters are stored (ZeRO-3: sharded over `data` on `embed`) and where they are
+    computed with (never sharded over `data`) are separate tables, as in Levanter. Left to itself,
+    GSPMD was seen keeping a ZeRO-3 weight sharded and all-reducing [B, T, F]-sized activations
+    over `data` instead of all-gathering the weight. The gathered copy is named so that remat
+    policies can refuse to keep it for the backward pass (it is gathered again there, the FSDP
+    pattern; keeping it would hold every layer's full weights and undo ZeRO-3's saving). With
+    storage equal to compute placement the pin would only add copies, so it is off.
+    """
+    if not _PIN_PARAMS.get():
+        return x
+    return checkpoint_name(constrain(x, names), PARAM_COMPUTE)

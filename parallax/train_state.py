@@ -19,9 +19,11 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import Config
+from parallax.fp8 import FP8_COLLECTION, transformer_dot_generals
 from parallax.mesh import PIPE
-from parallax.model import Transformer
+from parallax.model import Transformer, cross_entropy
 from parallax.optim import make_optimizer
+from parallax.pipeline_1f1b import make_1f1b_value_and_grad
 from parallax.pipeline import Schedule, is_pipelined, make_pipelined_apply, make_schedule, stage_specs, to_stages
 from parallax.sharding import DEFAULT_RULES, Rules, logical_context, logical_shardings, make_rules, optimizer_rules
 
@@ -31,6 +33,8 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
+    # FP8 scales and amax histories (fp8.py): replicated, updated by the step, never by the optimizer.
+    fp8: Any = struct.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -46,15 +50,27 @@ class Layout:
     state_shardings: TrainState
     schedule: Schedule | None  # the pipeline schedule; None when the stack is not pipelined
     apply: Callable[[Any, jax.Array], jax.Array]  # (params, tokens [B, T]) -> logits [B, T, V]
+    pin_params: bool = False  # stored sharded over data (ZeRO-3): gather where used (sharding.py)
+    # (params, batch) -> (loss, grads) for schedules that compute their own gradients (1F1B).
+    value_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]] | None = None
 
     @property
     def param_shardings(self) -> Any:
         return self.state_shardings.params
 
 
+
 def _init_boxed(model: Transformer, cfg: Config, rng: jax.Array) -> Any:
     tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
     return model.init(rng, tokens)["params"]
+
+
+def _init_fp8(model: Transformer, cfg: Config, rng: jax.Array) -> Any:
+    """The FP8 state (ones and zeros: no data dependence); {} when the model has no FP8 dots."""
+    if model.dot_general is None and model.logits_dot_general is None:
+        return {}  # plain matmuls: skip a second trace of init
+    tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
+    return model.init(rng, tokens).get(FP8_COLLECTION, {})
 
 
 def _init_params(model: Transformer, cfg: Config, rng: jax.Array, schedule: Schedule | None) -> Any:
@@ -67,23 +83,29 @@ def _init_params(model: Transformer, cfg: Config, rng: jax.Array, schedule: Sche
 
 
 def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None = None) -> Layout:
-    model = model or Transformer(cfg.model, remat=cfg.parallel.remat)
+    model = model or Transformer(cfg.model, remat=cfg.parallel.remat, **transformer_dot_generals(cfg.fp8))
     tx = make_optimizer(cfg)
     rules = DEFAULT_RULES
     stages = mesh.shape[PIPE]
     schedule = make_schedule(cfg.parallel, stages) if is_pipelined(cfg.parallel, stages) else None
     logical_specs = nn.get_partition_spec(jax.eval_shape(lambda r: _init_boxed(model, cfg, r), jax.random.key(0)))
+    param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
+    value_and_grad = None
     if schedule is not None:
         logical_specs = {**logical_specs, "layers": stage_specs(logical_specs["layers"])}
-        apply = make_pipelined_apply(model, schedule, mesh)
+        param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
+        layer_specs = jax.tree.map(lambda s: s.spec, param_shardings["layers"])
+        apply = make_pipelined_apply(model, schedule, mesh, layer_specs)
+        if schedule.name == "1f1b":  # the forward-only `apply` (evaluation) runs it as GPipe
+            value_and_grad = make_1f1b_value_and_grad(model, schedule, mesh, layer_specs, cross_entropy)
     else:
         apply = lambda params, tokens: model.apply({"params": params}, tokens)  # noqa: E731
     params = jax.eval_shape(lambda r: _init_params(model, cfg, r, schedule), jax.random.key(0))
     opt_state = jax.eval_shape(tx.init, params)
-    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=opt_state)
+    fp8 = jax.eval_shape(lambda r: _init_fp8(model, cfg, r), jax.random.key(0))
+    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=opt_state, fp8=fp8)
 
     replicated = NamedSharding(mesh, P())
-    param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
     opt_param_shardings = logical_shardings(logical_specs, mesh, optimizer_rules(cfg.parallel))
     # Moments mirror the params tree inside optax's state; everything else (counts) is replicated.
     opt_shardings = optax.tree_map_params(
@@ -91,17 +113,19 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None 
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
-    return Layout(model, tx, mesh, rules, logical_specs, abstract, shardings, schedule, apply)
+    fp8_shardings = jax.tree.map(lambda _: replicated, fp8)
+    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, fp8=fp8_shardings)
+    return Layout(model, tx, mesh, rules, logical_specs, abstract, shardings, schedule, apply, cfg.parallel.zero >= 3, value_and_grad)
 
 
 def init_state(cfg: Config, layout: Layout) -> TrainState:
     """Initialise parameters and optimizer state directly in their shardings."""
 
     def init(rng: jax.Array) -> TrainState:
-        with logical_context(layout.mesh, layout.rules):
+        with logical_context(layout.mesh, layout.rules, pin_params=layout.pin_params):
             params = _init_params(layout.model, cfg, rng, layout.schedule)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=layout.tx.init(params))
+            fp8 = _init_fp8(layout.model, cfg, rng)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=layout.tx.init(params), fp8=fp8)
 
     return jax.jit(init, out_shardings=layout.state_shardings)(jax.random.key(cfg.train.seed))
 

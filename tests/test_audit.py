@@ -79,8 +79,9 @@ def test_gradient_reduction_moves_the_parameter_bytes_inside_the_backward_loop(c
     _, found, param_bytes, layer_bytes = compiled
     in_loop = [c for c in _backward_loop(found) if c.axes == ("data",) and c.kind in ("all-reduce", "reduce-scatter")]
     assert sum(c.bytes for c in in_loop) == layer_bytes, in_loop
-    total = sum(c.bytes_per_step for c in found if c.axes == ("data",) and c.kind in ("all-reduce", "reduce-scatter"))
-    assert 0 <= total - param_bytes < 256, (total, param_bytes)  # + a few scalars (loss, norms)
+    # XLA may fold a small gradient (the final norm's) into a reduction over (data, tensor).
+    total = sum(c.bytes_per_step for c in found if "data" in c.axes and c.kind in ("all-reduce", "reduce-scatter"))
+    assert 0 <= total - param_bytes < 1024, (total, param_bytes)  # + scalars (loss, norm pieces)
 
 
 def test_weight_all_gathers_only_as_zero_promises(compiled):

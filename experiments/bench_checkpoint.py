@@ -1,0 +1,181 @@
+"""Benchmark: checkpoint size, save and restore time, and how much an async save stalls the loop.
+
+    python experiments/bench_checkpoint.py                 # quickstart model, ~1-2 minutes on a 2-core CPU
+    python experiments/bench_checkpoint.py --tiny          # seconds: a smoke run
+    python experiments/bench_checkpoint.py --json out.json # also write the figures as JSON
+
+A script, not a timed test: it prints figures and PASS/FAIL against the target and exits 0 either
+way. The model, mesh and batch are `experiments/quickstart.py`'s (1.05M parameters, data=4 x
+tensor=2, ZeRO-1, 16 x 128 tokens per step) on 8 simulated CPU devices when there is no
+accelerator; the state saved is params + AdamW moments + step, the same `Checkpoints.save` the
+CLI calls.
+
+[1] Size: bytes of one finalized step directory (state + meta + Orbax metadata).
+[2] Save: the blocking part of `save` (device -> host copy, directory setup; what the loop waits
+    for) and the time until the checkpoint is finalized (written, renamed into place). Median of
+    `--saves` saves.
+[3] Stall (target: <= 10% of a step). Rounds of `--round-steps` train steps, alternating a round
+    with no save and a round with one save issued after its first step (as the loop does), each
+    round blocking at its end. Stall per save = median over pairs of (round with save - adjacent
+    round without), compared to the median step time. The rounds are long enough for the save's
+    background writing to finish inside them, so its competition for the CPU is counted too.
+[4] Restore: onto the same mesh, and onto data=8 (a different layout), median of 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if "jax" not in sys.modules and not any(p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "gpu", "tpu")):
+    # Before JAX starts: 8 simulated CPU devices, as the CLI does on a machine without accelerators.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from parallax.checkpoint import Checkpoints, make_meta  # noqa: E402
+from parallax.config import CheckpointConfig, MeshConfig, ModelConfig, load_experiment  # noqa: E402
+from parallax.data import make_global_batch, open_data  # noqa: E402
+from parallax.mesh import describe, make_mesh  # noqa: E402
+from parallax.model import count_params  # noqa: E402
+from parallax.train_state import init_state, make_layout  # noqa: E402
+from parallax.train_step import batch_sharding, make_train_step  # noqa: E402
+
+STALL_TARGET = 0.10
+QUICKSTART = Path(__file__).resolve().parent / "quickstart.py"
+
+
+def make_config(tiny: bool):
+    cfg = load_experiment(QUICKSTART)
+    if tiny:
+        cfg = dataclasses.replace(cfg, model=ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64),
+                                  train=dataclasses.replace(cfg.train, seq_len=16, global_batch=8))
+    return dataclasses.replace(cfg, checkpoint=CheckpointConfig(every=1, keep=2))
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny model: a seconds-long smoke run")
+    ap.add_argument("--saves", type=int, default=None, help="saves timed for [2] (default 5; tiny 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="round pairs for [3] (default 6; tiny 2)")
+    ap.add_argument("--round-steps", type=int, default=None, help="steps per round (default 8; tiny 4)")
+    ap.add_argument("--dir", help="where to write checkpoints (default: a temporary directory)")
+    ap.add_argument("--json", help="also write the figures to this file")
+    args = ap.parse_args(argv)
+    saves = args.saves or (2 if args.tiny else 5)
+    rounds = args.rounds or (2 if args.tiny else 6)
+    round_steps = args.round_steps or (4 if args.tiny else 8)
+
+    cfg = make_config(args.tiny)
+    mesh = make_mesh(cfg.mesh)
+    layout = make_layout(cfg, mesh)
+    state = init_state(cfg, layout)
+    train_data, _ = open_data(cfg)
+    bsh = batch_sharding(mesh)
+    batches = [make_global_batch(train_data, i, bsh) for i in range(4)]
+    step_fn = make_train_step(cfg, layout)
+    print(f"model: {count_params(cfg.model)['total']:,} params; mesh {describe(mesh)}; ZeRO-{cfg.parallel.zero}")
+
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_"))
+    shutil.rmtree(root / "checkpoints", ignore_errors=True)
+    ckpt = Checkpoints(root, cfg.checkpoint)
+    ckpt.open(layout)
+    n = 0
+
+    def run_steps(k: int) -> None:
+        nonlocal state, n
+        for _ in range(k):
+            state, metrics = step_fn(state, batches[n % len(batches)])
+            float(metrics["loss"])  # the loop syncs on the metrics every step
+            n += 1
+
+    def save() -> float:
+        t0 = time.perf_counter()
+        ckpt.save(n, state, make_meta(cfg, n, mesh))
+        return time.perf_counter() - t0
+
+    run_steps(3)  # compile and warm up
+    save()
+    ckpt.wait()  # the first save also compiles nothing, but warms Orbax's thread pools
+
+    # [1] + [2]
+    blocking, finalized = [], []
+    for _ in range(saves):
+        run_steps(1)
+        t0 = time.perf_counter()
+        blocking.append(save())
+        ckpt.wait()
+        finalized.append(time.perf_counter() - t0)
+    size = dir_bytes(ckpt.path(n))
+
+    # [3]
+    plain, with_save, step_times = [], [], []
+    for r in range(rounds):
+        for kind in (("plain", "save") if r % 2 == 0 else ("save", "plain")):
+            ckpt.wait()  # outside the timing: each round starts with no save in flight
+            t0 = time.perf_counter()
+            run_steps(1)
+            if kind == "save":
+                save()
+            run_steps(round_steps - 1)
+            dt = time.perf_counter() - t0
+            (with_save if kind == "save" else plain).append(dt)
+            if kind == "plain":
+                step_times.append(dt / round_steps)
+    ckpt.close()
+    step_s = statistics.median(step_times)
+    stall = statistics.median(s - p for s, p in zip(with_save, plain))
+
+    # [4]
+    restore = {}
+    for name, mesh_cfg in (("same_mesh", cfg.mesh), ("data8", MeshConfig(data=8))):
+        target_cfg = dataclasses.replace(cfg, mesh=mesh_cfg)
+        target_layout = make_layout(target_cfg, make_mesh(mesh_cfg))
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(Checkpoints(root, cfg.checkpoint).restore(target_cfg, target_layout).state)
+            times.append(time.perf_counter() - t0)
+        restore[name] = statistics.median(times)
+
+    figures = {
+        "checkpoint_bytes": size,
+        "state_bytes": sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(layout.abstract_state)),
+        "save_blocking_ms": 1e3 * statistics.median(blocking),
+        "save_finalized_ms": 1e3 * statistics.median(finalized),
+        "step_ms": 1e3 * step_s,
+        "stall_ms_per_save": 1e3 * stall,
+        "stall_fraction": stall / step_s,
+        "restore_same_mesh_ms": 1e3 * restore["same_mesh"],
+        "restore_data8_ms": 1e3 * restore["data8"],
+        "rounds_plain_s": plain,
+        "rounds_save_s": with_save,
+    }
+    print(f"[1] checkpoint size: {size / 2**20:.2f} MiB on disk for {figures['state_bytes'] / 2**20:.2f} MiB of state")
+    print(f"[2] save: {figures['save_blocking_ms']:.1f} ms blocking, {figures['save_finalized_ms']:.1f} ms until finalized")
+    print(f"[3] step {figures['step_ms']:.1f} ms; stall per async save {figures['stall_ms_per_save']:.1f} ms")
+    print(f"[4] restore: {figures['restore_same_mesh_ms']:.1f} ms same mesh, {figures['restore_data8_ms']:.1f} ms onto data=8")
+    verdict = "PASS" if figures["stall_fraction"] <= STALL_TARGET else "FAIL"
+    print(f"RESULT stall_fraction {figures['stall_fraction']:.4f}  target <= {STALL_TARGET}  {verdict}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""Checkpoints: Orbax async saves, restore onto any mesh, keep-last-N, fallback past damage.
+
+One checkpoint is one Orbax step directory, WORKDIR/checkpoints/<step>, holding two items:
+- `state`: the whole TrainState (step, params, optimizer state, and any field a feature adds to
+  it, FP8 scales included), pipeline-stacked leaves reshaped to layer-major [L, ...] so that
+  mesh.pipe and parallel.repeats may change between save and restore;
+- `meta`: JSON with the step (which is also the data position: data.py's batches are a function
+  of the step), the seed (the run's only RNG state: initialisation and data order derive from
+  it), the fields that fix the state's shapes, the mesh it was written on, the skipped-step
+  count and the flat config for the record.
+
+Restore reads into an abstract target whose leaves carry the NEW layout's shardings, so each
+process reads only the shards its devices hold, straight into their final placement: no gather
+onto one host, no detour through the saved layout (orbax #648, flax #5110).
+
+Crash safety is Orbax's: a save is written into `<step>.orbax-checkpoint-tmp-*` and renamed when
+complete, listing ignores unrenamed directories, and a kill -9 mid-save leaves only such a
+directory (removed when the next run opens the manager for writing). A finalized checkpoint that
+later fails to read is moved to WORKDIR/checkpoints_damaged/, never deleted, and the next older
+one is restored instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from parallax.config import CheckpointConfig, Config, UserError, flatten
+from parallax.mesh import describe
+from parallax.pipeline import to_layer_major, to_stages
+from parallax.train_state import Layout, TrainState
+
+FORMAT = 1
+# Fields that fix the state's shapes: a change makes the checkpoint unusable, so it is refused
+# with the field's name. Shapes are also compared array by array (`check_shapes`), which catches
+# what this list does not name (FP8 history length, optimizer chain changes).
+STRUCTURAL = (
+    "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.d_ff",
+    "model.vocab_size", "model.tie_embeddings",
+)
+# The seed fixes the data order and the initialisation: resuming under another seed would
+# silently train on a different stream than the checkpoint's run.
+IDENTITY = ("train.seed",)
+DAMAGED_DIR = "checkpoints_damaged"
+_STACKED_KEY = "layers"  # the scanned block stack: the leaves the pipeline reshapes to stages
+
+
+class CheckpointError(UserError):
+    """A checkpoint that does not fit the config, or none usable: one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Damaged:
+    step: int
+    reason: str
+
+
+@dataclass
+class Restored:
+    state: TrainState
+    step: int
+    meta: dict
+    damaged: list[Damaged] = field(default_factory=list)  # newer steps that failed to read
+
+
+def make_meta(cfg: Config, step: int, mesh: jax.sharding.Mesh, **extra: Any) -> dict:
+    flat = flatten(cfg)
+    return {
+        "format": FORMAT,
+        "step": step,
+        "data_position": step,
+        "seed": cfg.train.seed,
+        "fixed": {k: flat[k] for k in STRUCTURAL + IDENTITY},
+        "mesh": describe(mesh),
+        "config": flat,
+        **extra,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The on-disk form: layer-major, whatever the pipeline layout
+
+
+def _is_stacked(path: tuple) -> bool:
+    return any(getattr(k, "key", None) == _STACKED_KEY for k in path)
+
+
+def _layer_major_sharding(s: NamedSharding) -> NamedSharding:
+    """[R, P, Lc, ...] placement -> [L, ...]: L sharded over the axes of the three leading dims
+    (in practice `pipe`). With R = 1 the reshape moves no data; with R > 1 it is one permute."""
+    spec = tuple(s.spec) + (None,) * max(0, 3 - len(s.spec))
+    lead = tuple(a for e in spec[:3] for a in ((e,) if isinstance(e, str) else (e or ())))
+    return NamedSharding(s.mesh, P(lead or None, *spec[3:]))
+
+
+class DiskForm:
+    """to_disk / from_disk between a layout's TrainState and its layer-major saved form, and the
+    abstract saved form with shardings (the restore target). Identity when not pipelined."""
+
+    def __init__(self, layout: Layout):
+        self.pipelined = layout.schedule is not None
+        shard_of = jax.tree_util.tree_map_with_path(
+            lambda p, s: _layer_major_sharding(s) if self.pipelined and _is_stacked(p) else s,
+            layout.state_shardings,
+        )
+        shapes = jax.eval_shape(self._reshape_to_disk, layout.abstract_state)
+        self.target = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shard_of
+        )
+        if self.pipelined:
+            self._to_disk = jax.jit(self._reshape_to_disk, out_shardings=shard_of)
+            schedule = layout.schedule
+            self._from_disk = jax.jit(
+                lambda st: jax.tree_util.tree_map_with_path(
+                    lambda p, x: to_stages(x, schedule) if _is_stacked(p) else x, st),
+                out_shardings=layout.state_shardings,
+            )
+
+    def _reshape_to_disk(self, state: TrainState) -> TrainState:
+        if not self.pipelined:
+            return state
+        return jax.tree_util.tree_map_with_path(lambda p, x: to_layer_major(x) if _is_stacked(p) else x, state)
+
+    def to_disk(self, state: TrainState) -> TrainState:
+        return self._to_disk(state) if self.pipelined else state
+
+    def from_disk(self, state: TrainState) -> TrainState:
+        return self._from_disk(state) if self.pipelined else state
+
+
+# ----------------------------------------------------------------------------------------------
+# Compatibility checks (read-only; they run before anything in the workdir is written)
+
+
+def _key(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """'params/layers/mlp/wi/kernel' -> shape. Orbax stores namedtuples as dicts and tuples as
+    lists, so attribute names, dict keys and indices all flatten to the same path strings."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {"/".join(_key(k) for k in path): tuple(x.shape) for path, x in leaves if hasattr(x, "shape")}
+
+
+def check_config(meta: dict, cfg: Config, where: str) -> None:
+    flat = flatten(cfg)
+    for key, saved in meta.get("fixed", {}).items():
+        if key in flat and flat[key] != saved:
+            why = "it fixes parameter shapes" if key in STRUCTURAL else "the data order and initialisation follow it"
+            raise CheckpointError(
+                f"{key}={flat[key]!r} but {where} was written with {key}={saved!r} ({why}); "
+                f"set {key}={saved!r} to resume, or choose another --workdir"
+            )
+
+
+def check_shapes(saved: Any, target: Any, where: str) -> None:
+    have, want = _shapes(saved), _shapes(target)
+    for path in sorted(have.keys() | want.keys()):
+        if have.get(path) != want.get(path):
+            there = "absent" if path not in have else str(have[path])
+            here = "absent" if path not in want else str(want[path])
+            raise CheckpointError(
+                f"{where} does not fit this config: {path} is {there} in the checkpoint and {here} here; "
+                "resume with the config it was written with, or choose another --workdir"
+            )
+
+
+def _raise_if_not_about_the_files(e: Exception) -> None:
+    """Reading errors mark a checkpoint damaged; running out of memory says nothing about the
+    files, so it propagates instead of moving a good checkpoint aside."""
+    if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e):
+        raise e
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
+# ----------------------------------------------------------------------------------------------
+# The manager
+
+
+def _handlers() -> dict:
+    """Declared up front so that metadata can be read before any restore has named the items.
+
+    Orbax's default on CPU/TPU cuts every replicated array into per-replica slices so that the
+    replicas write in parallel; each slice is a device dispatch inside the blocking part of the
+    save, which halves when it is off (quickstart: ~44 -> ~20 ms, experiments/bench_checkpoint.py).
+    One writer per shard, as Orbax already does on GPU; ZeRO shards the large states anyway.
+    """
+    th = ocp.type_handlers
+    registry = th.create_type_handler_registry(
+        (jax.Array, th.ArrayHandler(use_replica_parallel=False)),
+        (np.ndarray, th.NumpyHandler()),
+        (np.number, th.ScalarHandler()),
+        (int, th.ScalarHandler()),
+        (float, th.ScalarHandler()),
+    )
+    return {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry), "meta": ocp.JsonCheckpointHandler()}
+
+
+class Checkpoints:
+    """WORKDIR/checkpoints. Reading (`steps`, `restore`) writes nothing; `open` prepares saving."""
+
+    def __init__(self, workdir: str | os.PathLike, cfg: CheckpointConfig):
+        self.workdir = Path(workdir).absolute()
+        self.directory = self.workdir / "checkpoints"
+        self.cfg = cfg
+        self.last_saved: int | None = None
+        self._manager: ocp.CheckpointManager | None = None
+        self._disk: DiskForm | None = None
+
+    def _reader(self) -> ocp.CheckpointManager:
+        # create=False and no tmp cleanup: reading never changes the workdir.
+        options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
+        return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+
+    def steps(self) -> list[int]:
+        """Finalized checkpoint steps, oldest first (directories still being written are not)."""
+        if not self.directory.is_dir():
+            return []
+        with self._reader() as manager:
+            return sorted(manager.all_steps())
+
+    def path(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def restore(self, cfg: Config, layout: Layout) -> Restored:
+        """The newest readable checkpoint, restored into `layout`'s shardings.
+
+        A step that fails to read is recorded as damaged and the next older one is tried; a
+        checkpoint that reads but does not fit `cfg` raises CheckpointError at once (an older
+        one would not fit either, and falling back would silently discard training).
+        """
+        disk = self._disk = DiskForm(layout)
+        damaged: list[Damaged] = []
+        with self._reader() as manager:
+            for step in sorted(manager.all_steps(), reverse=True):
+                where = f"checkpoint {str(self.path(step))!r}"
+                try:
+                    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                    saved = manager.item_metadata(step)["state"]
+                    if saved is None:
+                        raise ValueError("no array metadata for item 'state'")
+                except Exception as e:  # unreadable: damaged or partial; try the previous one
+                    _raise_if_not_about_the_files(e)
+                    damaged.append(Damaged(step, _reason(e)))
+                    continue
+                check_config(meta, cfg, where)
+                check_shapes(getattr(saved, "tree", saved), disk.target, where)
+                try:
+                    restore_args = ocp.checkpoint_utils.construct_restore_args(disk.target)
+                    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(disk.target, restore_args=restore_args))
+                    state = jax.block_until_ready(manager.restore(step, args=args)["state"])
+                except Exception as e:  # a truncated or missing array file
+                    _raise_if_not_about_the_files(e)
+                    damaged.append(Damaged(step, _reason(e)))
+                    continue
+                return Restored(disk.from_disk(state), step, meta, damaged)
+        listed = "; ".join(f"step {d.step}: {d.reason}" for d in damaged)
+        raise CheckpointError(
+            f"no readable checkpoint in {str(self.directory)!r} ({listed}); "
+            "move the directory away to start over, or choose another --workdir"
+        )
+
+    def open(self, layout: Layout, damaged: list[Damaged] = ()) -> list[tuple[Damaged, Path]]:
+        """Move damaged steps aside (so a later save of the same step cannot collide with them),
+        then create the writing manager. Returns (damaged, where it went) pairs."""
+        moved = [(d, self._move_aside(d.step)) for d in damaged]
+        if self._disk is None:
+            self._disk = DiskForm(layout)
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.LatestN(self.cfg.keep),
+            cleanup_tmp_directories=True,  # leftovers of a save that a kill interrupted
+            enable_async_checkpointing=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        return moved
+
+    def _move_aside(self, step: int) -> Path:
+        dest_dir = self.workdir / DAMAGED_DIR
+        dest = dest_dir / str(step)
+        n = 1
+        while dest.exists():
+            dest, n = dest_dir / f"{step}.{n}", n + 1
+        if jax.process_index() == 0:
+            dest_dir.mkdir(parents=True, exist_ok=True)
+            os.replace(self.path(step), dest)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"parallax_checkpoint_move_{step}")
+        return dest
+
+    def save(self, step: int, state: TrainState, meta: dict) -> Path:
+        """Start an async save; returns once the arrays are copied off the devices, so the next
+        step may donate `state`. Orbax first waits for (and raises errors of) the previous save."""
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(self._disk.to_disk(state)), meta=ocp.args.JsonSave(meta))
+        self._manager.save(step, args=args, force=True)
+        self.last_saved = step
+        return self.path(step)
+
+    def wait(self) -> None:
+        """Block until the last save is finalized (renamed into place, older ones removed)."""
+        self._manager.wait_until_finished()
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for the last save to be finalized (and old ones removed), then release."""
+        if self._manager is not None:
+            try:
+                self._manager.wait_until_finished()
+            finally:
+                self._manager.close()
+                self._manager = None

@@ -1,0 +1,318 @@
+"""FP8 matmuls with per-tensor delayed scaling: one `dot_general` module, its state in its own collection.
+
+What one FP8 dot does. Inputs and weights are cast to E4M3 in the forward pass, the output
+gradient to E5M2 in the backward pass, each as q = cast(clip(x / s, -max, max)) with a per-tensor
+scale s; the matmuls take the FP8 operands and accumulate in float32 (`preferred_element_type`),
+and the product is multiplied back by s_a * s_b. Master weights stay float32 in the optimizer:
+only the copy entering the matmul is quantised.
+
+Scales. `delayed` (default, as Flax/Praxis/MaxText/Transformer Engine): s_t = amax * 2^margin /
+max_representable, where amax is the max of the amax history *before* step t; this step's amax
+then enters the history (newest first, the oldest falls out). `current`: s_t = max|x_t| / 448
+(E4M3; 57344 for E5M2 gradients), computed from this step's tensor before the cast (one more pass
+over the tensor, no history needed; the history is still recorded for telemetry). Both recipes
+share the cast, the accumulation and the telemetry. A zero or non-finite amax keeps the previous
+scale, and a non-finite amax enters the history as 0 (otherwise one inf would pin the scale for
+`amax_history_length` steps). The history arithmetic matches `flax.linen.fp8_ops` exactly
+(tests/test_fp8.py holds it to Flax as an oracle).
+
+State. Per dot and per tensor (input, kernel, output_grad): `{t}_scale` [1], `{t}_amax_history`
+[H], `{t}_stats` [2] (this step's fraction saturated at the FP8 max, fraction of nonzeros flushed
+to zero), in the `fp8_meta` collection; under the model's `nn.scan` each gets a leading layers
+axis. The state is part of TrainState, replicated, and never reaches the optimizer.
+
+How the state is updated: the gradient is the new value. The forward amaxes could be written with
+`mutable=[...]`, but the output-gradient amax only exists inside the backward pass, where no
+mutable collection is reachable. So, as in Flax's `_overwrite_with_gradient`, the state is an input
+of the differentiated loss and the custom VJP returns each tensor's *new* state as its "cotangent";
+the train step takes that cotangent as the next state (`overwrite`). This composes with
+`jax.grad` (one more argnum), `nn.scan` over layers (per-layer slices, stacked cotangents) and
+remat (the custom VJP's forward is simply re-run).
+
+Combining uses: by max. If one state is used several times inside one differentiated program
+(microbatches in a loop, pipeline ticks, a layer applied twice), autodiff *adds* the cotangents:
+summed histories are the Flax bug that PR #3623 fixed, and "last use wins" is another stack's. So
+`fp8_variables` converts the state to Flax's `fm32` dtype at the top of the loss, before any loop:
+fm32 is float32 whose autodiff addition is `max` (and whose zero is -inf). Every use of a given
+state computes the same scale and the same rolled history, so the elementwise max of the uses'
+new states is exactly "history with max(amax over uses) appended": the combination by max.
+
+Parallelism. The amax is of the whole logical tensor. Under the partitioner (GSPMD), `jnp.max` of
+a sharded array is already global. Inside `shard_map` each device sees its shard: pass the manual
+axes the tensor is sharded on as `amax_axes` and the amax is `pmax`-ed over them (the model files
+never name mesh axes; the caller of a shard_map knows them). The pmax-ed amax is invariant over
+those axes, so the returned state is too, and a replicated state's cotangent is not psum-ed on the
+way out of the shard_map (which would be the "amax summed over devices" bug again).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+from flax.linen import fp8_ops
+from jax import lax
+
+from parallax.config import Fp8Config
+
+FP8_COLLECTION = "fp8_meta"
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+RECIPES = ("delayed", "current")
+# State name prefix -> telemetry kind; the prefixes are Flax's variable names.
+TENSORS = {"input": "inputs", "kernel": "weights", "output_grad": "gradients"}
+# The fm32 dtype: float32 whose cotangent accumulation is max (see the module docstring).
+META_DTYPE = fp8_ops.fm32
+
+
+def fp8_max(dtype: Any) -> float:
+    return float(jnp.finfo(dtype).max)  # E4M3: 448, E5M2: 57344
+
+
+def overflow_threshold(dtype: Any) -> float:
+    """Scaled magnitudes from here up would round above the FP8 max: they are saturated (clipped).
+    (The amax element itself lands on the max by construction; that loses nothing.)"""
+    fi = jnp.finfo(dtype)
+    top_ulp = 2.0 ** np.floor(np.log2(float(fi.max))) * float(fi.eps)  # E4M3: 32, E5M2: 8192
+    return float(fi.max) + top_ulp / 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Scales, histories, quantisation
+
+
+def compute_scale(amax: jax.Array, prev_scale: jax.Array, dtype_max: float, margin: float) -> jax.Array:
+    """s = amax * 2^margin / max, in Flax's arithmetic; zero, tiny or non-finite amax keeps prev."""
+    new = 1.0 / ((dtype_max / amax) / (2.0**margin))
+    ok = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(new) & (new > 0)
+    return jnp.where(ok, new, prev_scale)
+
+
+def push_history(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """Newest amax at index 0, oldest dropped (Flax's roll-and-set, so histories compare equal)."""
+    amax = jnp.where(jnp.isfinite(amax), amax, 0.0).astype(history.dtype)
+    return jnp.roll(history, shift=-1, axis=0).at[0].set(amax)
+
+
+class _Static(NamedTuple):
+    """Hashable, non-differentiable arguments of the FP8 dot."""
+
+    dims: Any  # lax.dot_general dimension numbers, as nested tuples
+    recipe: str
+    margin: float
+    amax_axes: tuple[str, ...]
+    out_dtype: Any
+    x_dtype: Any
+    w_dtype: Any
+
+
+def _as_f32(x: jax.Array) -> jax.Array:
+    return lax.convert_element_type(x, jnp.float32) if x.dtype != jnp.float32 else x
+
+
+def _reduce(x: jax.Array, axes: tuple[str, ...], op: Any) -> jax.Array:
+    return op(x, axes) if axes else x
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    """The manual shard_map axes x varies over (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _match_varying(*xs: jax.Array) -> list[jax.Array]:
+    """Inside shard_map, give the operands one varying type (x sharded, w replicated: w is cast).
+    A custom VJP must return each cotangent with its input's type; the cast's transpose is the
+    psum that sums the weight gradient over the shards, as lax.dot_general would."""
+    union = frozenset().union(*(_varying_axes(x) for x in xs))
+    out = []
+    for x in xs:
+        missing = tuple(sorted(union - _varying_axes(x)))
+        out.append(lax.pcast(x, missing, to="varying") if missing else x)
+    return out
+
+
+def quantize(x: jax.Array, meta: tuple, qdtype: Any, st: _Static) -> tuple[jax.Array, tuple]:
+    """x -> (FP8 x, new (scale, history, stats)). `meta` may be float32 or fm32."""
+    scale, history, _ = (_as_f32(m) for m in meta)
+    dmax = fp8_max(qdtype)
+    x32 = x.astype(jnp.float32)
+    amax = _reduce(jnp.max(jnp.abs(x32)), st.amax_axes, lax.pmax)  # the whole tensor's amax
+    basis = jnp.max(history, axis=0) if st.recipe == "delayed" else amax
+    new_scale = compute_scale(basis, scale, dmax, st.margin)
+    scaled = x32 / jnp.broadcast_to(new_scale, x32.shape)
+    q = jnp.clip(scaled, -dmax, dmax).astype(qdtype)
+    # Telemetry from the scaled values (no second cast): saturated at the FP8 max, and nonzeros
+    # flushed to zero (at most half the smallest subnormal: round-to-nearest-even gives 0).
+    mag = jnp.abs(scaled)
+    saturated = jnp.mean((mag >= overflow_threshold(qdtype)).astype(jnp.float32))
+    tiny = float(jnp.finfo(qdtype).smallest_subnormal) / 2
+    flushed = jnp.mean(((mag <= tiny) & (x32 != 0)).astype(jnp.float32))
+    stats = _reduce(jnp.stack([saturated, flushed]), st.amax_axes, lax.pmean)
+    return q, (new_scale, push_history(history, amax), stats)
+
+
+def _restore(new: tuple, like: tuple) -> tuple:
+    """New state values in the dtypes of the state that came in (fm32 stays fm32)."""
+    return tuple(lax.convert_element_type(n, o.dtype) if o.dtype != n.dtype else n for n, o in zip(new, like))
+
+
+# ----------------------------------------------------------------------------------------------
+# The FP8 dot and its VJP
+
+
+def _remaining(n: int, *removed: tuple[int, ...]) -> list[int]:
+    gone = set(itertools.chain(*removed))
+    return [i for i in range(n) if i not in gone]
+
+
+def _grad_lhs(g: jax.Array, y: jax.Array, dims: Any, x_ndim: int, swap: bool = False) -> jax.Array:
+    """d(x . y)/dx contracted with g, with FP8 operands kept FP8 and a float32 result.
+
+    (lax's own transpose rule would ask for an FP8 result; this is its arithmetic, as in Flax.)
+    """
+    (xc, yc), (xb, yb) = dims
+    x_kept, y_kept = _remaining(x_ndim, xc, xb), _remaining(y.ndim, yc, yb)
+    nb = len(xb)
+    start = nb if swap else nb + len(x_kept)  # output layout: [batch, x kept, y kept] (or swapped)
+    ans_y = tuple(range(start, start + len(y_kept)))
+    out = lax.dot_general(g, y, ((ans_y, tuple(y_kept)), (tuple(range(nb)), tuple(yb))),
+                          preferred_element_type=jnp.float32)
+    # out: [batch, x kept, x contracted in the order of y's contracted dims] -> x's layout
+    x_contract_by_y = [xc[i] for i in np.argsort(yc)]
+    return lax.transpose(out, tuple(np.argsort(list(xb) + x_kept + x_contract_by_y)))
+
+
+def _grad_rhs(g: jax.Array, x: jax.Array, dims: Any, y_ndim: int) -> jax.Array:
+    (xc, yc), (xb, yb) = dims
+    return _grad_lhs(g, x, ((yc, xc), (yb, xb)), y_ndim, swap=True)
+
+
+def _dot_fwd(x, w, x_meta, w_meta, g_meta, st: _Static):
+    qx, x_new = quantize(x, x_meta, E4M3, st)
+    qw, w_new = quantize(w, w_meta, E4M3, st)
+    sx, sw = x_new[0], w_new[0]
+    y = lax.dot_general(qx, qw, st.dims, preferred_element_type=jnp.float32)  # fp32 accumulation
+    y = (y * jnp.broadcast_to(sx * sw, y.shape)).astype(st.out_dtype)
+    # Residuals are the FP8 operands (1 byte per element), not the high-precision ones.
+    res = (qx, qw, sx, sw, _restore(x_new, x_meta), _restore(w_new, w_meta), g_meta)
+    return y, res
+
+
+def _dot_bwd(st: _Static, res, g):
+    qx, qw, sx, sw, x_new, w_new, g_meta = res
+    qg, g_new = quantize(g, g_meta, E5M2, st)
+    sg = g_new[0]
+    dx = _grad_lhs(qg, qw, st.dims, qx.ndim)
+    dx = (dx * jnp.broadcast_to(sw * sg, dx.shape)).astype(st.x_dtype)
+    dw = _grad_rhs(qg, qx, st.dims, qw.ndim)
+    dw = (dw * jnp.broadcast_to(sx * sg, dw.shape)).astype(st.w_dtype)
+    return dx, dw, x_new, w_new, _restore(g_new, g_meta)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def fp8_dot(x, w, x_meta, w_meta, g_meta, st: _Static):
+    """x . w with FP8 operands; each *_meta is (scale [1], amax_history [H], stats [2])."""
+    return _dot_fwd(x, w, x_meta, w_meta, g_meta, st)[0]
+
+
+fp8_dot.defvjp(lambda x, w, xm, wm, gm, st: _dot_fwd(x, w, xm, wm, gm, st), _dot_bwd)
+
+
+class Fp8DotGeneral(nn.Module):
+    """Drop-in for `lax.dot_general` (lhs = activations, rhs = weights) with delayed-scaling FP8.
+
+    `amax_axes`: the manual `shard_map` axes the operands are sharded on, when called inside a
+    shard_map (expert shards, pipeline stages); empty under the partitioner.
+    """
+
+    recipe: str = "delayed"
+    amax_history_length: int = 1024
+    margin: float = 0.0
+    amax_axes: tuple[str, ...] = ()
+
+    @nn.compact
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        del precision  # FP8 operands, float32 accumulation: nothing to choose
+        h = self.amax_history_length
+        metas = []
+        for t in TENSORS:
+            scale = self.variable(FP8_COLLECTION, f"{t}_scale", jnp.ones, (1,), jnp.float32)
+            history = self.variable(FP8_COLLECTION, f"{t}_amax_history", jnp.zeros, (h,), jnp.float32)
+            stats = self.variable(FP8_COLLECTION, f"{t}_stats", jnp.zeros, (2,), jnp.float32)
+            metas.append((scale.value, history.value, stats.value))
+        out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+        (xc, yc), (xb, yb) = dimension_numbers
+        dims = ((tuple(xc), tuple(yc)), (tuple(xb), tuple(yb)))
+        st = _Static(dims, self.recipe, float(self.margin), tuple(self.amax_axes), jnp.dtype(out_dtype),
+                     jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
+        lhs, rhs = _match_varying(lhs, rhs)  # the state stays as it came in (not psum-ed on transpose)
+        return fp8_dot(lhs, rhs, *metas, st)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wiring: factories for the model, the state's way through the train step, telemetry
+
+
+def make_fp8_dot_general(cfg: Fp8Config, amax_axes: tuple[str, ...] = ()) -> Any:
+    """A `DotGeneralFactory` (layers.py) building one FP8 dot with `cfg`'s recipe."""
+    return functools.partial(Fp8DotGeneral, recipe=cfg.recipe, amax_history_length=cfg.amax_history_length,
+                             margin=cfg.margin, amax_axes=tuple(amax_axes))
+
+
+def transformer_dot_generals(cfg: Fp8Config) -> dict[str, Any]:
+    """Transformer(...) keyword arguments for `cfg`: {} when FP8 is off. The logits matmul only with
+    `fp8.logits`; the one-hot embedding lookup never (an exact selection, see layers.Embed)."""
+    if not cfg.enabled:
+        return {}
+    factory = make_fp8_dot_general(cfg)
+    return {"dot_general": factory, "logits_dot_general": factory if cfg.logits else None}
+
+
+def fp8_variables(fp8: Any) -> dict[str, Any]:
+    """The `fp8_meta` collection for `model.apply`, as fm32 so that every reuse combines by max.
+
+    Call it inside the differentiated function (the loss), before any loop over microbatches.
+    """
+    if not fp8:
+        return {}
+    return {FP8_COLLECTION: jax.tree.map(lambda x: lax.convert_element_type(x, META_DTYPE), fp8)}
+
+
+def overwrite(old: Any, new: Any) -> Any:
+    """The next FP8 state: the step's 'gradient' of the state is its new value (float32)."""
+    return jax.tree.map(lambda o, n: n.astype(o.dtype), old, new)
+
+
+def combine(*states: Any) -> Any:
+    """States from separately differentiated microbatches -> one state: elementwise max (see the
+    module docstring; never a sum, never the last one)."""
+    return jax.tree.map(lambda *xs: functools.reduce(jnp.maximum, xs), *states)
+
+
+def fp8_metrics(fp8: Any) -> dict[str, jax.Array]:
+    """Per tensor kind (inputs, weights, gradients), over every FP8 dot and layer: the largest
+    fraction saturated and flushed to zero of any one tensor this step, and the scales' range."""
+    if not fp8:
+        return {}
+    groups: dict[tuple[str, str], list[jax.Array]] = {}
+    for path, leaf in traverse_util.flatten_dict(fp8).items():
+        name = path[-1]
+        for prefix, kind in TENSORS.items():
+            if name.startswith(prefix + "_"):
+                groups.setdefault((kind, name[len(prefix) + 1:]), []).append(leaf)
+    out = {}
+    for kind in TENSORS.values():
+        scales = jnp.concatenate([x.reshape(-1) for x in groups[(kind, "scale")]])
+        stats = jnp.concatenate([x.reshape(-1, 2) for x in groups[(kind, "stats")]])
+        out[f"fp8_{kind}_saturated"] = jnp.max(stats[:, 0])
+        out[f"fp8_{kind}_flushed"] = jnp.max(stats[:, 1])
+        out[f"fp8_{kind}_scale_min"] = jnp.min(scales)
+        out[f"fp8_{kind}_scale_max"] = jnp.max(scales)
+    return out

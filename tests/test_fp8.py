@@ -1,0 +1,438 @@
+"""FP8 matmuls (parallax/fp8.py): Flax as an oracle, quantisation error bounds, outliers, amax
+combination across uses and devices, the train step's FP8 state on two layouts, config errors.
+
+Tolerances (also in the final report): Flax oracle rtol 1e-6 (observed: bit-identical); error
+bounds are elementwise worst-case bounds derived from the formats (E4M3: relative 2^-4 for normals,
+absolute s * 2^-10 below the normal range; E5M2: 2^-3 and s * 2^-17), plus 1e-5 relative slack
+for float32 accumulation; FP8 state across layouts rtol 1e-5 (activations differ by float
+reduction order only).
+"""
+
+import dataclasses
+import functools
+import importlib.util
+import json
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.linen import fp8_ops
+from jax.sharding import PartitionSpec as P
+
+from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, validate
+from parallax.fp8 import E4M3, E5M2, FP8_COLLECTION, Fp8DotGeneral, combine, fp8_metrics, fp8_variables, overwrite
+from parallax.mesh import available_devices, make_mesh
+from parallax.train import main
+from parallax.train_state import init_state, make_layout
+from parallax.train_step import batch_sharding, make_eval_step, make_train_step
+
+REPO = Path(__file__).resolve().parents[1]
+DOT_2D = (((1,), (0,)), ((), ()))
+DOT_OUT = (((2, 3), (0, 1)), ((), ()))  # attention output projection: [B, T, N, H] x [N, H, D]
+TENSORS = ("input", "kernel", "output_grad")
+
+
+def _op(h=16, recipe="delayed", axes=()):
+    return Fp8DotGeneral(recipe=recipe, amax_history_length=h, amax_axes=axes)
+
+
+def _state(x, w, dims, h=16, recipe="delayed"):
+    return _op(h, recipe).init(jax.random.key(0), x, w, dims)[FP8_COLLECTION]
+
+
+@functools.partial(jax.jit, static_argnames=("dims", "h", "recipe"))
+def _step_jit(x, w, state, cotangent, dims, h, recipe):
+    def f(x, w, st):
+        return _op(h, recipe).apply(fp8_variables(st), x, w, dims, preferred_element_type=jnp.float32)
+
+    y, vjp = jax.vjp(f, x, w, state)
+    dx, dw, new = vjp(cotangent)
+    return y, dx, dw, overwrite(state, new)
+
+
+def _step(x, w, state, dims, h=16, recipe="delayed", cotangent=None):
+    """One FP8 dot forward + backward: (y, dx, dw, new state), the state through fm32 as in training."""
+    if cotangent is None:
+        cotangent = jnp.ones(jax.eval_shape(lambda: jax.lax.dot_general(x, w, dims)).shape, jnp.float32)
+    return _step_jit(x, w, state, cotangent, dims=dims, h=h, recipe=recipe)
+
+
+# ----------------------------------------------------------------------------------------------
+# Oracle: flax.linen.fp8_ops
+
+
+class _FlaxOp(nn.Module):
+    h: int
+
+    @nn.compact
+    def __call__(self, x, w, dims):
+        return fp8_ops.Fp8DirectDotGeneralOp(amax_history_length=self.h)(x, w, dims)
+
+
+@pytest.mark.parametrize("case", ["2d_with_history", "contract2_with_history", "fresh_state"])
+def test_oracle_matches_flax_fp8_ops(case):
+    rng = np.random.default_rng(1)
+    h = 16
+    if case.startswith("contract2"):
+        x, w, dims = rng.normal(size=(2, 8, 4, 8)), rng.normal(size=(4, 8, 32)) * 0.05, DOT_OUT
+    else:
+        x, w, dims = rng.normal(size=(16, 32)) * 3, rng.normal(size=(32, 24)) * 0.05, DOT_2D
+    x, w = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+    ours = _state(x, w, dims, h)
+    if case != "fresh_state":  # a history and scales that are not the initial ones
+        for t, mag in zip(TENSORS, (3.0, 0.2, 1e-2)):
+            ours[f"{t}_amax_history"] = jnp.asarray(rng.uniform(0.5, 2.0, h) * mag, jnp.float32)
+            ours[f"{t}_scale"] = jnp.asarray(rng.uniform(1e-3, 1e-2, 1), jnp.float32)
+    theirs = {k: v for k, v in ours.items() if not k.endswith("_stats")}
+    flax_op = _FlaxOp(h)
+
+    @jax.jit
+    def flax_step(x, w, st, g):
+        y, vjp = jax.vjp(lambda x, w, st: flax_op.apply({"_overwrite_with_gradient": {"Fp8DirectDotGeneralOp_0": st}},
+                                                          x, w, dims), x, w, st)
+        dx, dw, new = vjp(g)
+        return y, dx, dw, new
+
+    y_shape = jax.eval_shape(lambda: jax.lax.dot_general(x, w, dims)).shape
+    for step in range(3):  # the new state feeds the next step on both sides
+        g = jnp.asarray(rng.normal(size=y_shape) * 10.0 ** (step - 2), jnp.float32)
+        y1, dx1, dw1, ours = _step(x, w, ours, dims, h, cotangent=g)
+        y2, dx2, dw2, theirs = flax_step(x, w, theirs, g)
+        for name, a, b in (("y", y1, y2), ("dx", dx1, dx2), ("dw", dw1, dw2)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=0, err_msg=f"step {step} {name}")
+        for k, v in theirs.items():
+            np.testing.assert_allclose(ours[k], v, rtol=1e-6, atol=0, err_msg=f"step {step} {k}")
+    assert float(ours["output_grad_amax_history"][0]) > 0  # the backward amax really was recorded
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantisation error within the formats' bounds
+
+
+def _qerr_bound(v, scale, fmt):
+    """Worst-case |qdq(v) - v| elementwise: half an ulp relative for normals (2^-4 E4M3, 2^-3 E5M2)
+    plus half the smallest subnormal spacing (times the scale) for values below the normal range."""
+    rel, tiny = (2.0**-4, 2.0**-10) if fmt == "e4m3" else (2.0**-3, 2.0**-17)
+    return rel * np.abs(v) + tiny * scale
+
+
+@pytest.mark.parametrize("dist", ["normal", "heavy_tailed"])
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_matmul_error_within_fp8_bounds(dist, recipe):
+    rng = np.random.default_rng(2)
+    draw = (lambda *s: rng.normal(size=s)) if dist == "normal" else (lambda *s: rng.standard_t(2.0, size=s))
+    x, w, g = draw(64, 128), draw(128, 96) * 0.05, draw(64, 96) * 1e-3
+    xj, wj, gj = (jnp.asarray(a, jnp.float32) for a in (x, w, g))
+    state = _state(xj, wj, DOT_2D, recipe=recipe)
+    if recipe == "delayed":  # the history already holds these tensors' amaxes
+        for t, a in zip(TENSORS, (x, w, g)):
+            state[f"{t}_amax_history"] = state[f"{t}_amax_history"].at[3].set(np.abs(a).max())
+    y, dx, dw, new = _step(xj, wj, state, DOT_2D, recipe=recipe, cotangent=gj)
+    sx, sw, sg = (float(new[f"{t}_scale"][0]) for t in TENSORS)
+    ex, ew, eg = _qerr_bound(x, sx, "e4m3"), _qerr_bound(w, sw, "e4m3"), _qerr_bound(g, sg, "e5m2")
+    slack = 1e-5
+    # |a'b' - ab| <= e_a (|b| + e_b) + |a| e_b per product, summed over the contraction.
+    checks = {
+        "y": (np.asarray(y), x @ w, ex @ (np.abs(w) + ew) + np.abs(x) @ ew, np.abs(x) @ np.abs(w)),
+        "dx": (np.asarray(dx), g @ w.T, eg @ (np.abs(w) + ew).T + np.abs(g) @ ew.T, np.abs(g) @ np.abs(w).T),
+        "dw": (np.asarray(dw), x.T @ g, (np.abs(x) + ex).T @ eg + ex.T @ np.abs(g), np.abs(x).T @ np.abs(g)),
+    }
+    for name, (got, ref, bound, mag) in checks.items():
+        err = np.abs(got - ref)
+        assert np.all(err <= bound + slack * mag), (name, float((err / (bound + slack * mag)).max()))
+        assert np.all(np.isfinite(got)), name
+    rel = np.linalg.norm(np.asarray(y) - x @ w) / np.linalg.norm(x @ w)
+    if dist == "normal":
+        assert rel < 0.05, rel  # E4M3 on both operands: ~0.035 measured
+
+
+# ----------------------------------------------------------------------------------------------
+# Outliers, zero and non-finite amax
+
+
+def test_outlier_gives_no_nonfinite_and_the_scale_recovers():
+    h = 4
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(32, 64)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(64, 16)) * 0.05, jnp.float32)
+    state = _state(x, w, DOT_2D, h)
+    step = functools.partial(_step, w=w, dims=DOT_2D, h=h)
+    outlier_at, scales = 6, []
+    for t in range(outlier_at + h + 3):
+        xt = x.at[5, 7].multiply(1000.0) if t == outlier_at else x
+        y, dx, dw, state = step(xt, state=state)
+        assert all(bool(jnp.all(jnp.isfinite(a))) for a in (y, dx, dw)), t
+        scales.append(float(state["input_scale"][0]))
+        if t == outlier_at:  # delayed: this step's scale predates the outlier, which saturates
+            assert float(state["input_stats"][0]) > 0
+    normal = scales[outlier_at]
+    assert scales[outlier_at - 1] == normal
+    for t in range(outlier_at + 1, outlier_at + h + 1):  # the outlier is in the history
+        assert scales[t] > 100 * normal, (t, scales)
+    assert scales[outlier_at + h + 1] == normal  # it fell out of the history: the old scale is back
+
+
+def test_zero_or_nonfinite_amax_keeps_the_previous_scale():
+    x = jnp.ones((4, 8), jnp.float32)
+    w = jnp.ones((8, 4), jnp.float32) * 0.1
+    state = _state(x, w, DOT_2D, 4, recipe="current")
+    _, _, _, state = _step(x, w, state, DOT_2D, 4, recipe="current")
+    s = float(state["input_scale"][0])
+    assert s == pytest.approx(1 / 448)
+    _, _, _, zero = _step(jnp.zeros_like(x), w, state, DOT_2D, 4, recipe="current")
+    assert float(zero["input_scale"][0]) == s
+    y, _, _, inf = _step(x.at[0, 0].set(jnp.inf), w, state, DOT_2D, 4, recipe="current")
+    assert float(inf["input_scale"][0]) == s
+    assert float(inf["input_amax_history"][0]) == 0.0  # an inf never pins the scale for H steps
+    assert bool(jnp.all(jnp.isfinite(y)))  # the inf saturates at the E4M3 max instead
+
+
+# ----------------------------------------------------------------------------------------------
+# Combining uses: max, never sum, never last
+
+
+def test_microbatch_amaxes_combine_by_max():
+    """Three microbatches with amax 100, 1, 10 in one differentiated loop (as gradient accumulation
+    or pipeline ticks would run them): the new history holds 100 for inputs and the largest output
+    gradient amax. A sum (111) or the last microbatch (10) fails. Separately differentiated
+    microbatches combined with `combine` give the same state."""
+    h = 8
+    rng = np.random.default_rng(4)
+    base = rng.normal(size=(16, 32))
+    base /= np.abs(base).max()
+    micro = jnp.asarray(np.stack([base * 100, base, base * 10]), jnp.float32)  # [M, B, D]
+    w = jnp.asarray(rng.normal(size=(32, 8)) * 0.05, jnp.float32)
+    gscale = jnp.asarray([1.0, 7.0, 3.0], jnp.float32)
+    state = _state(micro[0], w, DOT_2D, h)
+
+    def loss(w, st, to_meta):
+        variables = fp8_variables(st) if to_meta else {FP8_COLLECTION: st}
+
+        def body(acc, xs):
+            x, gs = xs
+            y = _op(h).apply(variables, x, w, DOT_2D, preferred_element_type=jnp.float32)
+            return acc + gs * jnp.sum(y), None
+
+        return jax.lax.scan(body, 0.0, (micro, gscale))[0]
+
+    grad = jax.jit(jax.grad(loss, argnums=1), static_argnums=2)
+    new = grad(w, state, True)
+    assert float(new["input_amax_history"][0]) == 100.0
+    assert float(new["output_grad_amax_history"][0]) == 7.0
+    np.testing.assert_array_equal(new["input_scale"], state["input_scale"])  # scales are not summed
+
+    separate = []
+    for i in range(3):
+        _, _, _, st = _step(micro[i], w, state, DOT_2D, h, cotangent=jnp.full((16, 8), gscale[i]))
+        separate.append(st)
+    for k, v in combine(*separate).items():
+        if not k.endswith("_stats"):
+            np.testing.assert_array_equal(v, new[k], err_msg=k)
+
+    # The control: without fm32, autodiff adds the uses' new values (the bug this guards against).
+    summed = grad(w, state, False)
+    assert float(summed["input_amax_history"][0]) == 111.0
+
+
+class _ScanLayer(nn.Module):
+    @nn.compact
+    def __call__(self, carry, x):
+        w = self.param("w", nn.initializers.normal(0.05), (x.shape[-1], 8))
+        return carry + jnp.sum(_op(8)(x, w, DOT_2D, preferred_element_type=jnp.float32)), None
+
+
+def test_scanned_layers_keep_their_own_amax():
+    """nn.scan over layers whose inputs have amax 1, 10, 100, 1000: each layer's state records its
+    own (the last layer's or a sum would fail)."""
+    xs = jnp.asarray(np.ones((4, 16, 32)) * np.array([1.0, 10.0, 100.0, 1000.0])[:, None, None], jnp.float32)
+    stack = nn.scan(_ScanLayer, variable_axes={"params": 0, FP8_COLLECTION: 0}, split_rngs={"params": True},
+                    in_axes=0, length=4)()
+    variables = stack.init(jax.random.key(0), 0.0, xs)
+    grad = jax.grad(lambda st: stack.apply({"params": variables["params"], **fp8_variables(st)}, 0.0, xs)[0])
+    new = grad(variables[FP8_COLLECTION])
+    hist = new["Fp8DotGeneral_0"]["input_amax_history"]  # [layers, history]
+    np.testing.assert_array_equal(np.asarray(hist)[:, 0], [1.0, 10.0, 100.0, 1000.0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Inside shard_map: the amax_axes hook
+
+
+def test_shard_map_amax_is_global_with_the_hook_and_refused_without():
+    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+    rng = np.random.default_rng(5)
+    # Rows sharded over data, each shard 10x the one before: a local amax would differ per shard.
+    x = jnp.asarray(rng.normal(size=(8, 16)) * np.repeat([1.0, 10.0, 100.0, 1000.0], 2)[:, None], jnp.float32)
+    w = jnp.asarray(rng.normal(size=(16, 8)) * 0.05, jnp.float32)
+    state = _state(x, w, DOT_2D, 4)
+
+    def reference(w, st):
+        return jnp.sum(_op(4).apply(fp8_variables(st), x, w, DOT_2D, preferred_element_type=jnp.float32) ** 2)
+
+    def sharded(w, st, axes):
+        def body(w, st, x):
+            y = _op(4, axes=axes).apply(fp8_variables(st), x, w, DOT_2D, preferred_element_type=jnp.float32)
+            return jax.lax.psum(jnp.sum(y**2), "data")
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P(), axis_names={"data"})(w, st, x)
+
+    gw_ref, st_ref = jax.grad(reference, argnums=(0, 1))(w, state)
+    gw, st = jax.jit(jax.grad(sharded, argnums=(0, 1)), static_argnums=2)(w, state, ("data",))
+    np.testing.assert_allclose(gw, gw_ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(gw_ref).max()))
+    for k, v in st_ref.items():  # replicated state, pmax-ed amax: not summed over the 4 shards
+        np.testing.assert_allclose(st[k], v, rtol=1e-6, err_msg=k)
+    with pytest.raises(ValueError, match="manual axis types"):  # no hook: a loud error, not a local amax
+        jax.jit(jax.grad(sharded, argnums=(0, 1)), static_argnums=2)(w, state, ())
+
+
+# ----------------------------------------------------------------------------------------------
+# The model and the train step
+
+
+TINY = Config(
+    model=ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=64, vocab_size=256),
+    fp8=Fp8Config(enabled=True, amax_history_length=8, logits=True),
+    optim=OptimConfig(warmup_steps=1),
+    train=TrainConfig(global_batch=8, seq_len=16, lr=1e-3, seed=3),
+)
+
+
+def _train(cfg, devices, steps=2, evaluate=True):
+    mesh = make_mesh(cfg.mesh, devices)
+    validate(cfg, dict(mesh.shape))
+    layout = make_layout(cfg, mesh)
+    state = init_state(cfg, layout)
+    rows = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
+    batch = jax.device_put({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, batch_sharding(mesh))
+    step = make_train_step(cfg, layout)
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+    eval_loss = make_eval_step(layout)(state.params, batch, state.fp8) if evaluate else np.nan
+    return {"state": state, "metrics": metrics, "eval_loss": float(eval_loss), "layout": layout}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    one = _train(dataclasses.replace(TINY, mesh=MeshConfig(data=1)), available_devices(1))
+    # data=2 x tensor=2 (expert must be 1 until MoE exists), with full remat as well.
+    dt = _train(dataclasses.replace(TINY, mesh=MeshConfig(data=2, tensor=2), parallel=ParallelConfig(remat="full")),
+                available_devices(4), evaluate=False)
+    return one, dt
+
+
+def test_fp8_state_after_steps_is_the_same_on_one_device_and_data2_tensor2(runs):
+    one, dt = runs
+    a, b = one["state"].fp8, dt["state"].fp8
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        name = jax.tree_util.keystr(path)
+        if "kernel" in name and "stats" not in name:  # weights are bit-identical across layouts
+            np.testing.assert_array_equal(x, y, err_msg=name)
+        else:  # activations and gradients differ by float reduction order only
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7, err_msg=name)
+    for leaf, sharding in zip(jax.tree.leaves(b), jax.tree.leaves(dt["layout"].state_shardings.fp8)):
+        assert sharding.spec == P() and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+
+
+def test_train_step_updates_the_fp8_state_and_reports_telemetry(runs):
+    one, _ = runs
+    fp8 = one["state"].fp8
+    hist = fp8["layers"]["mlp"]["wi"]["Fp8DotGeneral_0"]
+    assert hist["input_amax_history"].shape == (2, 8)  # [layers, history]
+    for t in TENSORS:  # two steps recorded (newest at 0, Flax's rotation); step 2 scaled from step 1's amax
+        assert np.all(np.count_nonzero(np.asarray(hist[f"{t}_amax_history"]), axis=1) == 2)
+        assert np.all(np.asarray(hist[f"{t}_scale"]) != 1.0)
+    # The layers differ, so the scan did not broadcast one state.
+    assert len(set(np.asarray(hist["input_amax_history"])[:, 0].tolist())) == 2
+    m = one["metrics"]
+    for kind in ("inputs", "weights", "gradients"):
+        for stat in ("saturated", "flushed", "scale_min", "scale_max"):
+            v = float(m[f"fp8_{kind}_{stat}"])
+            assert np.isfinite(v) and v >= 0, (kind, stat, v)
+        assert float(m[f"fp8_{kind}_scale_min"]) <= float(m[f"fp8_{kind}_scale_max"])
+    assert fp8_metrics({}) == {}
+    # The optimizer never sees the FP8 state: its moments mirror the parameters only.
+    opt_leaves = {x.shape for x in jax.tree.leaves(one["state"].opt_state)}
+    assert (2, 8) not in opt_leaves
+    assert np.isfinite(one["eval_loss"])
+
+
+def test_model_wiring_embedding_never_fp8_logits_only_when_asked():
+    def collection(**fp8):
+        cfg = dataclasses.replace(TINY, fp8=Fp8Config(**fp8))
+        layout = make_layout(cfg, make_mesh(MeshConfig(data=1), available_devices(1)))
+        return layout.abstract_state.fp8
+
+    assert collection(enabled=False) == {}
+    assert set(collection(enabled=True)) == {"layers"}
+    assert set(collection(enabled=True, logits=True)) == {"layers", "logits"}
+    tied = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, tie_embeddings=True))
+    layout = make_layout(tied, make_mesh(MeshConfig(data=1), available_devices(1)))
+    assert set(layout.abstract_state.fp8) == {"layers", "embed"}  # embed.attend (the output projection)
+    assert set(layout.abstract_state.fp8["embed"]) == {"attend_dot_general"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Config errors and the CLI
+
+
+@pytest.mark.parametrize("fp8, sizes, field", [
+    (Fp8Config(enabled=True, amax_history_length=0), {}, "fp8.amax_history_length"),
+    (Fp8Config(enabled=True, margin=-1.0), {}, "fp8.margin"),
+    (Fp8Config(enabled=True, recipe="tensorwise"), {}, "fp8.recipe"),
+    (Fp8Config(enabled=False, logits=True), {}, "fp8.logits"),
+    (Fp8Config(enabled=True), {"pipe": 2, "data": 4}, "mesh.pipe=2"),
+])
+def test_bad_fp8_config_names_the_field(fp8, sizes, field):
+    sizes = {"data": 8, "tensor": 1, "pipe": 1, "expert": 1, **sizes}
+    cfg = dataclasses.replace(TINY, fp8=fp8, parallel=ParallelConfig(microbatches=2) if sizes["pipe"] > 1 else ParallelConfig())
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as e:
+        validate(cfg, sizes)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_bad_fp8_setting_is_one_line_exit_2(capsys, tmp_path):
+    code = main(["train", str(REPO / "experiments" / "quickstart.py"), "--workdir", str(tmp_path / "w"),
+                 "--set", "fp8.enabled=True", "--set", "fp8.amax_history_length=0"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "fp8.amax_history_length" in err, err
+    assert not (tmp_path / "w").exists()
+
+
+def test_cli_fp8_run_writes_telemetry_and_both_mfus(capsys, tmp_path):
+    sets = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
+            "train.seq_len=16", "train.global_batch=8", "train.steps=1", "train.eval_batches=1", "fp8.enabled=True",
+            "fp8.amax_history_length=4"]
+    code = main(["train", str(REPO / "experiments" / "quickstart.py"), "--workdir", str(tmp_path),
+                 *[a for s in sets for a in ("--set", s)]])
+    out = capsys.readouterr().out
+    assert code == 0 and "emulated on CPU" in out
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "mfu_fp8" in record and record["mfu_fp8"] is None and record["mfu"] is None  # CPU: no peak
+    for kind in ("inputs", "weights", "gradients"):
+        assert record[f"fp8_{kind}_scale_max"] > 0 and 0 <= record[f"fp8_{kind}_flushed"] <= 1
+
+
+def test_bench_fp8_runs_on_cpu_and_checks_numerics(capsys, tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_fp8", REPO / "experiments" / "bench_fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--json", str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 is emulated on cpu" in out and "RESULT step_s" not in out  # no timing claims on CPU
+    assert "RESULT matmul_rel_error" in out and "RESULT loss_rel_diff" in out
+    figures = json.loads((tmp_path / "b.json").read_text())
+    assert figures["emulated"] and figures["numerics"]["max_rel_diff"] < 0.02
+    # The HLO reader on a CPU step: FP8 casts present, every dot on float operands (emulation).
+    report = bench.fp8_gemm_report(_cpu_hlo())
+    assert report["converts_to_f8"] > 0 and report["dots"] > 0 and report["fp8_gemms"] == 0
+
+
+def _cpu_hlo() -> str:
+    x = jnp.ones((16, 32), jnp.float32)
+    w = jnp.ones((32, 8), jnp.float32)
+    st = _state(x, w, DOT_2D, 4)
+    return jax.jit(lambda x, w, st: _step(x, w, st, DOT_2D, 4)).lower(x, w, st).compile().as_text()

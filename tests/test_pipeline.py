@@ -1,0 +1,194 @@
+"""Pipeline parallelism over `pipe`: the schedule table, the layer-major conversion, equivalence
+with the single-device model (outputs and gradients), and the compiled collectives."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from parallax.audit import collectives
+from parallax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, validate
+from parallax.mesh import available_devices, make_mesh
+from parallax.pipeline import Schedule, one_f_one_b_work, to_layer_major, to_stages
+from parallax.train_state import bytes_per_device, init_state, make_layout
+from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
+
+MODEL = ModelConfig(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256)
+B, T = 16, 32
+BASE = Config(model=MODEL, optim=OptimConfig(warmup_steps=1), train=TrainConfig(global_batch=B, seq_len=T, lr=1e-3, seed=5))
+# Same tolerances as tests/test_equivalence.py (BUILD_NOTES.md): fp32, reduction order differs.
+LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-4, 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# The schedule table
+
+
+@pytest.mark.parametrize("p,m,r", [(2, 2, 1), (2, 8, 1), (4, 4, 1), (4, 16, 1), (2, 4, 2), (4, 8, 2), (2, 2, 3)])
+def test_schedule_runs_every_item_once_in_dependency_order(p, m, r):
+    sched = Schedule(p, m, r, "circular" if r > 1 else "gpipe")
+    when = {}
+    for t in range(sched.ticks):
+        for s in range(p):
+            busy, i, rep = sched.work(t, s)
+            if busy:
+                assert (i, rep * p + s) not in when
+                when[(i, rep * p + s)] = (t, s)
+    assert len(when) == m * r * p  # every microbatch through every chunk, once
+    for (i, v), (t, s) in when.items():
+        if v > 0:  # chunk v-1 ran on the previous stage of the ring exactly one tick earlier
+            assert when[(i, v - 1)] == (t - 1, (s - 1) % p)
+    assert sched.bubble_fraction == pytest.approx(sched.formula())
+    assert sched.idle_stage_ticks() == p * (p - 1)
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 32), (8, 8)])
+def test_1f1b_table_order_and_memory_bound(p, m):
+    sched = Schedule(p, m, 1, "1f1b")
+    fwd, bwd = {}, {}
+    for t in range(sched.ticks):
+        for s in range(p):
+            f_busy, i_f, b_busy, i_b = one_f_one_b_work(sched, t, s)
+            if f_busy:
+                assert (i_f, s) not in fwd
+                fwd[(i_f, s)] = t
+            if b_busy:
+                assert (i_b, s) not in bwd
+                bwd[(i_b, s)] = t
+    assert len(fwd) == len(bwd) == m * p
+    for (i, s), t in fwd.items():
+        assert s == 0 or fwd[(i, s - 1)] == t - 1  # activation arrives from the previous stage
+        assert bwd[(i, s)] >= t  # backward after forward (same tick on the last stage)
+        assert s == p - 1 or bwd[(i, s + 1)] == bwd[(i, s)] - 1  # cotangent from the next stage
+        # in flight on stage s (input buffered) for at most 2p - 1 ticks: the 2p-slot ring suffices
+        assert bwd[(i, s)] - t < 2 * p
+    # with backward = 2 x forward and idle halves skipped, the time bubble is GPipe's
+    assert sched.bubble_fraction == pytest.approx(sched.formula())
+    assert sched.ticks == m + 2 * (p - 1)
+
+
+def test_stage_layout_is_a_reshape_of_the_layer_stack():
+    sched = Schedule(stages=2, microbatches=4, repeats=2)
+    layers = {"w": np.arange(8 * 3).reshape(8, 3)}  # L = 8 layers
+    staged = to_stages(layers, sched)
+    assert staged["w"].shape == (2, 2, 2, 3)  # [R, P, Lc, ...]
+    # chunk v = rep * P + s holds layers v*Lc .. v*Lc + Lc - 1 and lives on stage s
+    np.testing.assert_array_equal(staged["w"][1, 0], layers["w"][4:6])
+    np.testing.assert_array_equal(staged["w"][0, 1], layers["w"][2:4])
+    np.testing.assert_array_equal(to_layer_major(staged)["w"], layers["w"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Equivalence with the single-device model
+
+
+def _batch(mesh):
+    rows = np.random.default_rng(0).integers(0, 256, (B, T + 1)).astype(np.int32)
+    return jax.device_put({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, batch_sharding(mesh))
+
+
+def _loss_grads(cfg, devices=None):
+    mesh = make_mesh(cfg.mesh, devices)
+    layout = make_layout(cfg, mesh)
+    state = init_state(cfg, layout)
+    loss, grads = make_grad_fn(layout)(state.params, _batch(mesh))
+    grads = dict(grads)
+    if layout.schedule is not None:
+        grads["layers"] = to_layer_major(grads["layers"])
+    return float(loss), jax.tree.map(np.asarray, grads), layout, state
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _loss_grads(dataclasses.replace(BASE, mesh=MeshConfig(data=1)), available_devices(1))
+
+
+CASES = {
+    "gpipe_d2_t2_p2": (MeshConfig(data=2, tensor=2, pipe=2), ParallelConfig(microbatches=4)),
+    "circular_r2_d2_t2_p2": (MeshConfig(data=2, tensor=2, pipe=2), ParallelConfig(microbatches=4, schedule="circular", repeats=2)),
+    "gpipe_p4_d2_zero1_remat": (MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=4, zero=1, remat="full")),
+    "gpipe_p2_d4_zero3": (MeshConfig(data=4, pipe=2), ParallelConfig(microbatches=2, zero=3)),
+    "1f1b_d2_t2_p2": (MeshConfig(data=2, tensor=2, pipe=2), ParallelConfig(microbatches=4, schedule="1f1b")),
+    "1f1b_p4_d2_zero1": (MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=4, schedule="1f1b", zero=1)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipeline_matches_single_device(reference, case):
+    mesh, parallel = CASES[case]
+    loss, grads, layout, state = _loss_grads(dataclasses.replace(BASE, mesh=mesh, parallel=parallel))
+    ref_loss, ref_grads, ref_layout, ref_state = reference
+    np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        err = np.abs(g - r).max()
+        assert err <= GRAD_ATOL + GRAD_RTOL * np.abs(r).max(), (jax.tree_util.keystr(path), err)
+    # same seed, same weights: the stage layout is the plain initialisation reshaped
+    np.testing.assert_array_equal(
+        np.asarray(to_layer_major(state.params["layers"])["mlp"]["wo"]["kernel"]),
+        np.asarray(ref_state.params["layers"]["mlp"]["wo"]["kernel"]),
+    )
+
+
+def test_each_stage_holds_only_its_layers(reference):
+    mesh, parallel = CASES["gpipe_p4_d2_zero1_remat"]
+    _, _, layout, state = _loss_grads(dataclasses.replace(BASE, mesh=mesh, parallel=parallel))
+    staged, full = bytes_per_device(state.params["layers"]), bytes_per_device(reference[3].params["layers"])
+    assert staged * 4 == full  # pipe = 4
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled step: one collective-permute per tick each way, the weight gradient reduced once
+
+
+@pytest.fixture(scope="module", params=["gpipe", "1f1b"])
+def pipeline_hlo(request):
+    parallel = ParallelConfig(microbatches=4, schedule=request.param)
+    cfg = dataclasses.replace(BASE, mesh=MeshConfig(data=2, tensor=2, pipe=2), parallel=parallel)
+    mesh = make_mesh(cfg.mesh)
+    layout = make_layout(cfg, mesh)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), layout.abstract_state, layout.state_shardings)
+    batch = {k: jax.ShapeDtypeStruct((B, T), np.int32, sharding=batch_sharding(mesh)) for k in ("inputs", "targets")}
+    hlo = make_train_step(cfg, layout).lower(state, batch).compile().as_text()
+    return collectives(hlo, dict(mesh.shape)), layout.schedule
+
+
+def test_one_permute_per_tick_each_way(pipeline_hlo):
+    found, sched = pipeline_hlo
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    micro_bytes = (B // sched.microbatches // 2) * T * MODEL.d_model * 4  # [B/(M data), T, D] fp32
+    assert all(c.axes == ("pipe",) and c.executions == sched.ticks for c in permutes), permutes
+    if sched.name == "gpipe":  # two half-microbatch sends per tick, forward loop and its transpose
+        assert len(permutes) == 4 and all(c.bytes == micro_bytes // 2 for c in permutes), permutes
+    else:  # 1F1B: activations forward and cotangents backward, both in its one loop
+        assert len(permutes) == 2 and all(c.bytes == micro_bytes for c in permutes), permutes
+
+
+def test_no_stage_weight_gathers_and_gradients_reduced_once(pipeline_hlo):
+    found, sched = pipeline_hlo
+    assert not [c for c in found if c.kind == "all-gather"]
+    # over data: nothing inside the tick loop (it would run once per tick)
+    assert not [c for c in found if "data" in c.axes and c.in_loop], [c for c in found if "data" in c.axes and c.in_loop]
+    # over pipe outside the permutes: only after the loop (outputs / cotangents / head gradients)
+    pipe_reduce = [c for c in found if "pipe" in c.axes and c.kind == "all-reduce"]
+    assert pipe_reduce and not [c for c in pipe_reduce if c.in_loop]
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("layers,mesh,parallel,field", [
+    (6, MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=4), "model.n_layers"),
+    (8, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="circular", repeats=3), "model.n_layers"),
+    (4, MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=2), "parallel.microbatches"),
+    (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=3), "train.global_batch"),
+    (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="zigzag"), "parallel.schedule"),
+    (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, repeats=2), "parallel.repeats"),
+    (4, MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=6, schedule="circular"), "parallel.microbatches"),
+    (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="1f1b", zero=3), "parallel.zero"),
+])
+def test_bad_pipeline_config_names_the_field(layers, mesh, parallel, field):
+    cfg = dataclasses.replace(BASE, mesh=mesh, parallel=parallel, model=dataclasses.replace(MODEL, n_layers=layers))
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        validate(cfg, dataclasses.asdict(mesh))
