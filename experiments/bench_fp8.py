@@ -94,20 +94,20 @@ def fp8_gemm_report(hlo: str) -> dict:
     Operands are printed by name only, so types come from each instruction's definition (names
     are unique in a module; fusion parameters are instructions too)."""
     types, rows = {}, []
+    cublas_f8 = sum('custom_call_target="__cublas$lt$matmul$f8"' in line for line in hlo.splitlines())
     for line in hlo.splitlines():
         m = _INSTR.match(line)
         if m:
             name, typ, op, rest = m.groups()
             types[name] = typ
-            rows.append((name, typ, op, rest, line))
-    cublas_f8, f8_dots, dots, f8_converts = 0, 0, 0, 0
-    for name, typ, op, rest, line in rows:
-        if op == "custom-call" and "cublas$lt$matmul$f8" in line:
-            cublas_f8 += 1
-        elif op == "dot":
+            rows.append((typ, op, rest))
+    f8_dots, dots, f8_converts = 0, 0, 0
+    for typ, op, rest in rows:
+        if op == "dot":
             dots += 1
-            operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
-            if any(types.get(o, "").startswith(F8_TYPES) for o in operands):
+            operands = rest.split(")")[0]  # '%a, %b' (or 'f8e4m3fn[..] %a, ...' in older printers)
+            if any(t in operands for t in F8_TYPES) or any(
+                    types.get(o, "").startswith(F8_TYPES) for o in re.findall(r"%([\w.\-]+)", operands)):
                 f8_dots += 1
         elif op == "convert" and typ.startswith(F8_TYPES):
             f8_converts += 1
@@ -208,6 +208,22 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
+def print_gpu_results(g: dict) -> None:
+    h = g["hlo"]
+    print(f"RESULT fp8_gemms {h['fp8_gemms']} (cuBLASLt f8 custom calls {h['cublas_f8_custom_calls']}, "
+          f"dots on f8 operands {h['dots_on_f8_operands']}, other dots {h['dots'] - h['dots_on_f8_operands']})"
+          f"  expected >= {MIN_FP8_GEMMS}  {verdict(h['fp8_gemms'] >= MIN_FP8_GEMMS)}")
+    for name in ("bf16", "fp8"):
+        r = g[name]
+        line = (f"RESULT step_s_{name} {r['step_s']:.4f}  tokens/s {r['tokens_per_s']:,.0f}  "
+                f"MFU (BF16 peak) {r['mfu_bf16_peak'] if r['mfu_bf16_peak'] is None else format(r['mfu_bf16_peak'], '.1%')}")
+        if name == "fp8":
+            m8 = r["mfu_fp8_peak"]
+            line += f"  MFU (FP8 peak) {m8 if m8 is None else format(m8, '.1%')}"
+        print(line)
+    print(f"RESULT speedup {g['speedup']:.3f}  target >= {SPEEDUP_TARGET}  {verdict(g['speedup'] >= SPEEDUP_TARGET)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=("1b", "tiny"), default="1b", help="GPU timing model (default 1b)")
@@ -229,19 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[1] HLO and [2] timing: {args.size} model, {args.rounds} interleaved rounds x {args.steps} steps")
         g = bench_gpu(device, args.size, args.rounds, args.steps)
         figures["gpu"] = g
-        h = g["hlo"]
-        print(f"RESULT fp8_gemms {h['fp8_gemms']} (cuBLASLt f8 custom calls {h['cublas_f8_custom_calls']}, "
-              f"dots on f8 operands {h['dots_on_f8_operands']}, other dots {h['dots'] - h['dots_on_f8_operands']})"
-              f"  expected >= {MIN_FP8_GEMMS}  {verdict(h['fp8_gemms'] >= MIN_FP8_GEMMS)}")
-        for name in ("bf16", "fp8"):
-            r = g[name]
-            line = (f"RESULT step_s_{name} {r['step_s']:.4f}  tokens/s {r['tokens_per_s']:,.0f}  "
-                    f"MFU (BF16 peak) {r['mfu_bf16_peak'] if r['mfu_bf16_peak'] is None else format(r['mfu_bf16_peak'], '.1%')}")
-            if name == "fp8":
-                m8 = r["mfu_fp8_peak"]
-                line += f"  MFU (FP8 peak) {m8 if m8 is None else format(m8, '.1%')}"
-            print(line)
-        print(f"RESULT speedup {g['speedup']:.3f}  target >= {SPEEDUP_TARGET}  {verdict(g['speedup'] >= SPEEDUP_TARGET)}")
+        print_gpu_results(g)
 
     print("[3] numerics (tiny)")
     err = matmul_error()

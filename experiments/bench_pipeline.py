@@ -290,8 +290,14 @@ def bench_bubble(tiny: bool, rows: int, ms: list[int], mesh, warmup: int, rounds
                 "temp_bytes": temp and temp["temp_bytes"],
                 "loss_last_warmup": losses[(label, m)],
             })
+        temps = [mem[(label, m)] and mem[(label, m)]["temp_bytes"] for m in ms]
+        temp_fit = None
+        if all(t is not None for t in temps):
+            slope, const = fit_line(ms, [t / MIB for t in temps])
+            temp_fit = {"mib_per_microbatch": slope, "mib_fixed": const}
         result[label] = {
             "schedule": case.schedule, "repeats": case.repeats, "remat": case.remat,
+            "temp_fit_mib": temp_fit,
             "fit_ms": {"a_per_microbatch": 1e3 * a, "c_fixed": 1e3 * c},
             "fit_cpu_ms": {"a_per_microbatch": 1e3 * a_cpu, "c_fixed": 1e3 * c_cpu},
             "points": rows_out,
@@ -377,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=1, help="rows per microbatch per data shard (default 1)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per configuration (default 2; tiny 1)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 7; tiny 3)")
-    ap.add_argument("--out", default="experiments/results", metavar="DIR", help="where the PNG goes")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), metavar="DIR",
+                    help="where pipeline_bubble.png goes (default experiments/results)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write every figure as JSON")
     args = ap.parse_args(argv)
     ms = sorted(args.ms or ([4, 8] if args.tiny else [4, 8, 16]))
@@ -441,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
         f, fc = res["fit_ms"], res["fit_cpu_ms"]
         print(f"  {label:<12} fit: step = {f['a_per_microbatch']:.1f} ms * m + {f['c_fixed']:.1f} ms   "
               f"(CPU time: {fc['a_per_microbatch']:.1f} ms * m + {fc['c_fixed']:.1f} ms)")
+        if res["temp_fit_mib"] is not None:
+            tf = res["temp_fit_mib"]
+            print(f"  {label:<12} fit: temp = {tf['mib_per_microbatch']:.2f} MiB * m + {tf['mib_fixed']:.2f} MiB per device")
     for label, res in bubble.items():
         for p in res["points"]:
             print(f"RESULT bubble_{label}_m{p['m']}  measured {p['bubble_measured']:.3f}  "

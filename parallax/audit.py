@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from parallax.config import Config
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -28,7 +30,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) (" + "|".join(KINDS) + r")(-s
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _WHILE = re.compile(r"\bwhile\(.*?body=%([^,\s]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([^,\s}]+)")
+_CALLS = re.compile(r"(calls|to_apply|body|condition|branch_computations|called_computations)=(\{[^}]*\}|%[^,\s}]+)")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Collective:
     executions: int  # times it runs per step (product of enclosing loop trip counts)
     in_loop: bool
     op_name: str  # JAX's name for the op that produced it, e.g. ".../transpose(jvp(...))/while/..."
+    conditional: bool = False  # inside a conditional branch: `executions` is an upper bound
 
     @property
     def bytes_per_step(self) -> int:
@@ -68,22 +71,27 @@ def _split_computations(hlo: str) -> dict[str, list[str]]:
     return comps
 
 
-def _executions(comps: dict[str, list[str]]) -> dict[str, int]:
-    """Times each computation runs per call of ENTRY, through while trip counts."""
-    runs = {"ENTRY": 1}
+def _executions(comps: dict[str, list[str]]) -> tuple[dict[str, int], set[str]]:
+    """Times each computation runs per call of ENTRY, through while trip counts, and the set of
+    computations reached through a conditional branch (their count is an upper bound: a branch
+    runs only on the trips that take it)."""
+    runs, branched = {"ENTRY": 1}, set()
     stack = ["ENTRY"]
     while stack:
         name = stack.pop()
         for line in comps.get(name, []):
             w = _WHILE.search(line)
             trip = _TRIP.search(line)
-            for callee in _CALLS.findall(line):
-                if callee not in comps or callee in runs:
-                    continue
-                is_body = w is not None and callee == w.group(1)
-                runs[callee] = runs[name] * (int(trip.group(1)) if (is_body and trip) else 1)
-                stack.append(callee)
-    return runs
+            for attr, targets in _CALLS.findall(line):
+                for callee in re.findall(r"%([^,\s}]+)", targets):
+                    if callee not in comps or callee in runs:
+                        continue
+                    is_body = w is not None and callee == w.group(1)
+                    runs[callee] = runs[name] * (int(trip.group(1)) if (is_body and trip) else 1)
+                    if attr == "branch_computations" or name in branched:
+                        branched.add(callee)
+                    stack.append(callee)
+    return runs, branched
 
 
 def _groups(line: str, n_devices: int) -> list[list[int]] | None:
@@ -129,7 +137,7 @@ def groups_to_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple
 def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
     """Every collective in optimized HLO text, with its mesh axes and per-step executions."""
     comps = _split_computations(hlo)
-    runs = _executions(comps)
+    runs, branched = _executions(comps)
     found = []
     for comp, lines in comps.items():
         for line in lines:
@@ -144,9 +152,35 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
                 nbytes //= 2
             op = re.search(r'op_name="([^"]*)"', line)
             found.append(Collective(
-                kind, name, comp, axes, nbytes, runs.get(comp, 1), runs.get(comp, 1) > 1, op.group(1) if op else ""
+                kind, name, comp, axes, nbytes, runs.get(comp, 1), runs.get(comp, 1) > 1, op.group(1) if op else "",
+                comp in branched,
             ))
     return found
+
+
+_DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = [a-z0-9]+\[([0-9,]*)\]")
+_DOT = re.compile(r"^\s*(?:ROOT )?%\S+ = [a-z0-9]+\[([0-9,]*)\]\S* dot\(%([^,\s)]+),.*?lhs_contracting_dims=\{([0-9,]*)\}")
+
+
+def dot_flops(hlo: str) -> dict[str, float]:
+    """Matmul FLOPs one device executes per step, counted from the HLO with loop trips (XLA's own
+    cost analysis counts a loop body once). `conditional`: the part inside conditional branches,
+    counted on every trip (an upper bound: 1F1B's busy branches run on M of its ticks)."""
+    comps = _split_computations(hlo)
+    runs, branched = _executions(comps)
+    total = conditional = 0.0
+    for comp, lines in comps.items():
+        shapes = {m.group(1): m.group(2) for m in map(_DEF.match, lines) if m}
+        for line in lines:
+            d = _DOT.match(line)
+            if not d or d.group(2) not in shapes:
+                continue
+            lhs = [int(v) for v in shapes[d.group(2)].split(",") if v]
+            out = math.prod(int(v) for v in d.group(1).split(",") if v)
+            flops = 2.0 * out * math.prod(lhs[int(i)] for i in d.group(3).split(",") if i) * runs.get(comp, 1)
+            total += flops
+            conditional += flops if comp in branched else 0.0
+    return {"total": total, "conditional": conditional}
 
 
 def summarize(found: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict[str, int]]:
@@ -158,3 +192,165 @@ def summarize(found: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict
         row["executions"] += c.executions
         row["bytes"] += c.bytes_per_step
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# `parallax audit`: compile the step ahead of time and set it beside the cost model (cost.py)
+
+SCALAR_BYTES = 4096  # per step: loss, gradient-norm and norm-scale pieces, reduced wherever XLA likes
+# LLVM optimisation off: the HLO (collectives, buffer assignment, memory figures) is the same as
+# a default compile (checked on the calibration layouts), the compile is ~30% faster. Tests and
+# calibration use it; `parallax audit` compiles exactly as training does.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    hlo: str
+    memory: dict[str, int] | None  # XLA's memory_analysis(), None where the backend gives none
+    cost: dict[str, float] | None  # XLA's cost_analysis(), None where empty
+    mesh_shape: dict[str, int]
+    platform: str
+    compile_s: float
+
+
+def _memory_stats(compiled) -> dict[str, int] | None:
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - best effort by contract: some backends raise, some return None
+        return None
+    if m is None:
+        return None
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+    stats = {f.split("_size")[0]: int(getattr(m, f, 0) or 0) for f in fields}
+    if not any(stats.values()):
+        return None
+    # Donated state: outputs written over their arguments count once.
+    stats["peak"] = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
+    return stats
+
+
+def _cost_stats(compiled) -> dict[str, float] | None:
+    try:
+        c = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - best effort
+        return None
+    if isinstance(c, (list, tuple)):
+        c = c[0] if c else None
+    if not c:
+        return None
+    return {k: float(v) for k, v in c.items() if k in ("flops", "transcendentals", "bytes accessed")}
+
+
+_COMPILED: dict[tuple, CompiledStep] = {}
+
+
+def compile_step(cfg: Config, compiler_options: dict | None = None) -> CompiledStep:
+    """Lower and compile the train step with abstract inputs on `cfg`'s mesh: nothing initialised,
+    nothing run. Cached per (config, options): tests and the CLI share one compile per layout."""
+    key = (cfg, tuple(sorted((compiler_options or {}).items())))
+    if key in _COMPILED:
+        return _COMPILED[key]
+    import time
+
+    import jax
+
+    from parallax.config import validate
+    from parallax.mesh import make_mesh
+    from parallax.train_state import make_layout
+    from parallax.train_step import batch_sharding, make_train_step
+
+    mesh = make_mesh(cfg.mesh)
+    validate(cfg, dict(mesh.shape))
+    layout = make_layout(cfg, mesh)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         layout.abstract_state, layout.state_shardings)
+    shape = (cfg.train.global_batch, cfg.train.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=batch_sharding(mesh)) for k in ("inputs", "targets")}
+    started = time.perf_counter()
+    lowered = make_train_step(cfg, layout).lower(state, batch)
+    compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
+    step = CompiledStep(compiled.as_text(), _memory_stats(compiled), _cost_stats(compiled), dict(mesh.shape),
+                        mesh.devices.flat[0].platform, time.perf_counter() - started)
+    _COMPILED[key] = step
+    return step
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (axes, kind) line: the compiled figures beside the model's."""
+
+    axes: tuple[str, ...]
+    kind: str
+    ops: int  # distinct collectives in the program
+    executions: int  # per step (conditional branches counted on every trip)
+    bytes: int  # per step, per device
+    model_executions: float
+    model_bytes: float
+    model_what: tuple[str, ...]
+    conditional: bool
+
+    @property
+    def explained(self) -> bool:
+        if self.model_bytes > 0 or not self.axes:  # no axes: single-device groups, nothing moves
+            return True
+        return self.bytes <= SCALAR_BYTES  # loss and norm pieces: not modelled, never large
+
+    @property
+    def error(self) -> float | None:
+        if self.model_bytes <= 0 or self.bytes <= 0:
+            return None
+        return self.model_bytes / self.bytes - 1
+
+
+def compare_collectives(found: list[Collective], terms: list) -> list[Row]:
+    """Group compiled collectives and model terms by (mesh axes, kind) and set them side by side.
+
+    The model's static executions (conditional branches on every trip) are what the HLO counts.
+    """
+    compiled = summarize(found)
+    cond = {(c.kind, c.axes) for c in found if c.conditional}
+    model: dict[tuple, list] = {}
+    for term in terms:
+        static = float(np.sum(term.static))
+        if static <= 0 or float(np.sum(term.bytes)) <= 0:
+            continue
+        row = model.setdefault((term.kind, term.axes), [0.0, 0.0, []])
+        row[0] += static
+        row[1] += float(np.sum(term.bytes * term.static))
+        row[2].append(term.what)
+    rows = []
+    for key in sorted(set(compiled) | set(model), key=lambda k: (k[1], k[0])):
+        c = compiled.get(key, {"ops": 0, "executions": 0, "bytes": 0})
+        m = model.get(key, [0.0, 0.0, []])
+        rows.append(Row(key[1], key[0], c["ops"], c["executions"], c["bytes"], m[0], m[1], tuple(m[2]), key in cond))
+    return rows
+
+
+def audit(cfg: Config, compiler_options: dict | None = None) -> dict:
+    """The whole audit as plain data (what `--json` prints)."""
+    from parallax.cost import (Grid, Workload, collective_terms, hardware_flops_per_device, memory_parts,
+                               model_flops_per_step)
+
+    step = compile_step(cfg, compiler_options)
+    w, g = Workload.of(cfg), Grid.of(cfg, step.mesh_shape)
+    platform = "cpu" if step.platform == "cpu" else "accelerator"
+    rows = compare_collectives(collectives(step.hlo, step.mesh_shape), collective_terms(w, g, platform))
+    parts = {k: float(v) for k, v in memory_parts(w, g, platform, attention="xla").items()}
+    n = math.prod(step.mesh_shape.values())
+    hw = {k: float(v) for k, v in hardware_flops_per_device(w, g, attention="xla").items()}
+    return {
+        "mesh": step.mesh_shape,
+        "platform": step.platform,
+        "compile_s": round(step.compile_s, 2),
+        "collectives": [
+            {"axes": list(r.axes), "kind": r.kind, "ops": r.ops, "executions": r.executions, "bytes": r.bytes,
+             "model_executions": r.model_executions, "model_bytes": r.model_bytes, "model": list(r.model_what),
+             "conditional": r.conditional, "explained": r.explained, "error": r.error}
+            for r in rows
+        ],
+        "memory": {"xla": step.memory, "model": parts,
+                   "error": (parts["total"] / step.memory["peak"] - 1) if step.memory else None},
+        "flops": {"model_per_step": model_flops_per_step(w), "model_per_device": model_flops_per_step(w) / n,
+                  "executed_model": hw, "hlo_dots": dot_flops(step.hlo), "xla": step.cost},
+    }

@@ -13,7 +13,7 @@ Restore reads into an abstract target whose leaves carry the NEW layout's shardi
 process reads only the shards its devices hold, straight into their final placement: no gather
 onto one host, no detour through the saved layout (orbax #648, flax #5110).
 
-Crash safety is Orbax's: a save is written into `<step>.orbax-checkpoint-tmp-*` and renamed when
+Crash safety is Orbax's: a save is written into `<step>.orbax-checkpoint-tmp*` and renamed when
 complete, listing ignores unrenamed directories, and a kill -9 mid-save leaves only such a
 directory (removed when the next run opens the manager for writing). A finalized checkpoint that
 later fails to read is moved to WORKDIR/checkpoints_damaged/, never deleted, and the next older
@@ -94,7 +94,8 @@ def _is_stacked(path: tuple) -> bool:
 
 def _layer_major_sharding(s: NamedSharding) -> NamedSharding:
     """[R, P, Lc, ...] placement -> [L, ...]: L sharded over the axes of the three leading dims
-    (in practice `pipe`). With R = 1 the reshape moves no data; with R > 1 it is one permute."""
+    (in practice `pipe`). With R = 1 the reshape moves no data; with R > 1 XLA moves chunks
+    between stages (layer v*Lc.. lives on stage v mod P, but on disk block s holds layers s*R*Lc..)."""
     spec = tuple(s.spec) + (None,) * max(0, 3 - len(s.spec))
     lead = tuple(a for e in spec[:3] for a in ((e,) if isinstance(e, str) else (e or ())))
     return NamedSharding(s.mesh, P(lead or None, *spec[3:]))
@@ -184,8 +185,15 @@ def _raise_if_not_about_the_files(e: Exception) -> None:
 
 
 def _reason(e: BaseException) -> str:
+    """One line for the user. Orbax wraps TensorStore's error (which names the file and what is
+    wrong with it) in a generic one that quotes a whole spec: report the innermost cause."""
+    for _ in range(10):
+        if e.__cause__ is None:
+            break
+        e = e.__cause__
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+    text = text.split(" [tensorstore_spec")[0].split(" See full TensorStore details")[0]
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 # ----------------------------------------------------------------------------------------------

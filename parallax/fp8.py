@@ -8,9 +8,9 @@ only the copy entering the matmul is quantised.
 
 Scales. `delayed` (default, as Flax/Praxis/MaxText/Transformer Engine): s_t = amax * 2^margin /
 max_representable, where amax is the max of the amax history *before* step t; this step's amax
-then enters the history (newest first, the oldest falls out). `current`: s_t = max|x_t| / 448
-(E4M3; 57344 for E5M2 gradients), computed from this step's tensor before the cast (one more pass
-over the tensor, no history needed; the history is still recorded for telemetry). Both recipes
+then enters the history (at index 0, the oldest entry falling out; the rest rotate as in Flax).
+`current`: s_t = max|x_t| / 448 (E4M3; 57344 for E5M2 gradients), computed from this step's
+tensor before the cast (one more pass over the tensor; the history is still recorded). Both recipes
 share the cast, the accumulation and the telemetry. A zero or non-finite amax keeps the previous
 scale, and a non-finite amax enters the history as 0 (otherwise one inf would pin the scale for
 `amax_history_length` steps). The history arithmetic matches `flax.linen.fp8_ops` exactly
@@ -42,7 +42,8 @@ a sharded array is already global. Inside `shard_map` each device sees its shard
 axes the tensor is sharded on as `amax_axes` and the amax is `pmax`-ed over them (the model files
 never name mesh axes; the caller of a shard_map knows them). The pmax-ed amax is invariant over
 those axes, so the returned state is too, and a replicated state's cotangent is not psum-ed on the
-way out of the shard_map (which would be the "amax summed over devices" bug again).
+way out of the shard_map (which would be the "amax summed over devices" bug again). Forgetting the
+hook there fails loudly: the custom VJP would return a device-varying state for a replicated one.
 """
 
 from __future__ import annotations
@@ -240,6 +241,8 @@ class Fp8DotGeneral(nn.Module):
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
         del precision  # FP8 operands, float32 accumulation: nothing to choose
+        if self.recipe not in RECIPES:
+            raise ValueError(f"Fp8DotGeneral.recipe: must be one of {RECIPES}, got {self.recipe!r}")
         h = self.amax_history_length
         metas = []
         for t in TENSORS:

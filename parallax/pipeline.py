@@ -189,7 +189,10 @@ def run_pipeline(
             rep, i = rest // p, group * p + rest % p
             fresh = jax.lax.dynamic_index_in_dim(micro, i, keepdims=False)
             inp = jnp.where((s == 0) & (rep == 0), fresh, state)
-            chunk = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, rep, keepdims=False), chunks)
+            if r == 1:  # a loop-invariant chunk: its residual is not stacked per tick
+                chunk = jax.tree.map(lambda c: c[0], chunks)
+            else:  # KNOWN COST: the backward keeps this slice per tick (BUILD_NOTES.md)
+                chunk = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, rep, keepdims=False), chunks)
             # Two half-microbatches per tick, each sent as soon as it is computed: the first
             # half's send depends on nothing the second half computes, so on accelerators the
             # collective-permute runs behind the second half's compute (async start/done pair).

@@ -7,6 +7,7 @@ and log bit-identical losses (same mesh, same machine). Real process kills run t
 subprocess; everything else calls `parallax.train.main` in-process to save interpreter start-ups.
 """
 
+import gc
 import json
 import os
 import random
@@ -201,22 +202,29 @@ def test_sigkill_at_a_random_step_and_during_a_save(interrupted, reference, caps
 # Damaged checkpoints, structural changes, flags: clear message, nothing deleted
 
 
+# Orbax abandons the other reads of a failed restore; their coroutines report at garbage collection.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_truncated_checkpoint_falls_back_to_the_previous_one(reference, tmp_path, capsys):
+    """--stop-at the fallback's step: a restore-only run (training on from a restored checkpoint
+    is what the exact-resume tests check)."""
     wd = _copy(reference, tmp_path)
     files = [p for p in (wd / "checkpoints" / str(STEPS) / "state").rglob("*") if p.is_file()]
     victim = max(files, key=lambda p: p.stat().st_size)
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
     damaged = victim.read_bytes()
+    before = {k: v for k, v in _snapshot(wd).items() if not k.startswith(f"checkpoints/{STEPS}")}
 
-    assert main(_argv(wd)) == 0
+    assert main(_argv(wd, "--stop-at", str(STEPS - EVERY))) == 0
     out, err = capsys.readouterr()
     moved = wd / DAMAGED_DIR / str(STEPS)
     assert f"checkpoint step {STEPS} is damaged or partial" in err and f"moved it to {moved} and fell back" in err
     assert f"resuming from checkpoint step {STEPS - EVERY}" in out
     assert (moved / victim.relative_to(wd / "checkpoints" / str(STEPS))).read_bytes() == damaged  # kept
-    assert Checkpoints(wd, None).steps() == [STEPS - 2 * EVERY, STEPS - EVERY, STEPS]
-    _assert_same_params(wd, reference)
+    after = _snapshot(wd)
+    assert all(after.get(k) == v for k, v in before.items())  # every other file untouched
+    assert Checkpoints(wd, None).steps() == [STEPS - 2 * EVERY, STEPS - EVERY]
+    gc.collect()  # here, under this test's filter, not in whichever test runs next
 
 
 @pytest.mark.parametrize("override, needles", [

@@ -1,0 +1,308 @@
+"""The analytic cost of one train step per device: collectives, memory and FLOPs.
+
+Pure arithmetic on the config, no JAX. `parallax audit` sets it beside the compiled step (and the
+tests hold the two together on 8 simulated devices); `parallax plan` evaluates it for every layout
+at once: each function takes a `Grid` whose fields are numpy arrays (or plain ints) and broadcasts.
+
+What it models is parallax's own program, not an idealised one:
+- tensor: per block 2 all-reduces of [B/(data expert), T, D] forward and 2 backward (one more
+  with remat=full: the recomputed attention output); the vocab-parallel embedding all-reduces
+  once forward, the logits projection once backward, the cross-entropy 3 [B, T] float32 rows.
+- data: the gradient all-reduce moves the tensor-sharded parameter bytes (float32), per layer
+  inside the backward loop, or once after the tick loop when pipelined; ZeRO-1 all-gathers the
+  updated parameters once; ZeRO-3 gathers each layer's weights forward (and again backward when a
+  remat policy recomputes them), the embedding, head and final norm once.
+- pipe: GPipe/circular send two half-microbatches per tick forward and two in the transpose,
+  1F1B one microbatch each way per tick; one psum of the stack output forward and backward (1F1B:
+  of the input cotangents and of the head gradients).
+Byte figures follow audit.py: the result buffer of one execution on one device. XLA:CPU runs
+bfloat16 elementwise work and collectives in float32 (`platform='cpu'` models that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from parallax.config import Config, ModelConfig
+
+SCHEDULES = ("gpipe", "circular", "1f1b")
+REMATS = ("none", "full", "dots")
+GPIPE, CIRCULAR, ONE_F_ONE_B = range(3)
+NONE, FULL, DOTS = range(3)
+
+# XLA:CPU activation memory, fitted on 54 compiles (experiments/calibrate_cost.py: d_model, d_ff,
+# layers, heads, sequence, batch, vocab and tensor varied one at a time under each remat policy
+# and dtype; none of them is a layout the validation tests use).
+CPU_FULL_SAVED = 2.0  # remat=full keeps the block input twice (the scan carry and its stack)
+CPU_WORKING = 0.8  # one layer's backward needs ~0.8 of its un-rematted residuals live at once
+CPU_LOGITS = 3.0  # logits, their softmax and gradient: ~3 float32 [B, T, V/tensor] buffers
+# On accelerators (the planner): XLA fuses more and frees sooner; bfloat16 stays bfloat16.
+ACCEL_WORKING = 1.0
+F1B_WORKING = 1.5  # 1F1B: the stage vjp's backward temporaries on top of its residuals (1.2 / 0.8)
+ACCEL_LOGITS = 3.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything but the layout: the model and the batch (and MoE counts, planner only)."""
+
+    model: ModelConfig
+    global_batch: int
+    seq_len: int
+    experts: int = 0  # MoE is not built in parallax: only the planner reads these (plan.py)
+    top_k: int = 0
+    capacity: float = 1.25
+
+    @classmethod
+    def of(cls, cfg: Config) -> Workload:
+        return cls(cfg.model, cfg.train.global_batch, cfg.train.seq_len)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Layout fields, each an int or a numpy array (all broadcast together)."""
+
+    data: Any = 1
+    tensor: Any = 1
+    pipe: Any = 1
+    expert: Any = 1
+    zero: Any = 0
+    microbatches: Any = 1
+    schedule: Any = GPIPE  # index into SCHEDULES
+    repeats: Any = 1
+    remat: Any = NONE  # index into REMATS
+
+    @classmethod
+    def of(cls, cfg: Config, sizes: dict[str, int]) -> Grid:
+        p = cfg.parallel
+        return cls(sizes["data"], sizes["tensor"], sizes["pipe"], sizes["expert"], p.zero, p.microbatches,
+                   SCHEDULES.index(p.schedule), p.repeats, REMATS.index(p.remat))
+
+    def pick(self, index: Any) -> Grid:
+        return Grid(**{f.name: np.asarray(getattr(self, f.name))[index] if np.ndim(getattr(self, f.name)) else
+                       getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+@dataclass(frozen=True)
+class Term:
+    """One family of collectives the model predicts."""
+
+    axes: tuple[str, ...]  # mesh axes of the group, in mesh order
+    kind: str  # all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute
+    what: str
+    bytes: Any  # result buffer of one execution, one device
+    executions: Any  # per step, as they run
+    static: Any  # per step, as the HLO counts them (a conditional branch: every loop trip)
+    overlap: str  # 'exposed' | 'backward' (hidden behind the backward pass) | 'compute' | 'tick'
+    group: Any = 1  # devices in the group
+
+    @property
+    def bytes_per_step(self) -> Any:
+        return self.bytes * self.executions
+
+
+class Dims:
+    """The shape quantities every formula uses, broadcast over the grid."""
+
+    def __init__(self, w: Workload, g: Grid, platform: str = "accelerator"):
+        m = w.model
+        self.w, self.g = w, g
+        self.D, self.L, self.N, self.K, self.F, self.V = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
+        self.H, self.T = m.d_model // m.n_heads, w.seq_len
+        self.cpu = platform == "cpu"
+        self.c = 4 if (self.cpu or m.dtype == "float32") else 2  # activation bytes
+        t, p = np.asarray(g.tensor), np.asarray(g.pipe)
+        self.t, self.p = t, p
+        self.dp = np.asarray(g.data) * np.asarray(g.expert)  # batch shards
+        self.M = np.asarray(g.microbatches)
+        self.r = np.asarray(g.repeats)
+        self.sched, self.remat, self.zero = np.asarray(g.schedule), np.asarray(g.remat), np.asarray(g.zero)
+        self.piped = (p > 1) | (self.M > 1)
+        self.f1b = self.piped & (self.sched == ONE_F_ONE_B)
+        self.ticks = np.where(self.f1b, self.M + 2 * (p - 1), self.r * self.M + p - 1)
+        self.Ldev = self.L / p  # layers per device
+        self.Lc = self.L / (self.r * p)  # layers per chunk (one tick of one stage)
+        self.rows = w.global_batch / self.dp  # rows per batch shard
+        self.tok = self.rows * self.T  # tokens per batch shard
+        attn = self.D * self.H * (2 * self.N + 2 * self.K)
+        self.layer_t = (attn + 3 * self.D * self.F) / t + 2 * self.D  # elements per layer per device
+        self.embed_t = self.V * self.D / t
+        self.head_t = 0 if m.tie_embeddings else self.D * self.V / t
+        self.outer_t = self.embed_t + self.head_t + self.D
+        self.params_t = self.Ldev * self.layer_t + self.outer_t  # tensor- and pipe-sharded
+        self.act = self.tok * self.D * self.c  # one [B/dp, T, D] buffer
+        self.act_m = self.act / self.M
+
+
+def _axes(*names: str) -> tuple[str, ...]:
+    return tuple(a for a in ("data", "tensor", "pipe", "expert") if a in names)
+
+
+def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> list[Term]:
+    """Every collective family of one step, per device. Terms of size 0 are kept (zero bytes)."""
+    s = Dims(w, g, platform)
+    t, p, M, f1b, piped = s.t, s.p, s.M, s.f1b, s.piped
+    on_t, on_p, on_d = (t > 1), (p > 1), (s.dp > 1)
+    batch_axes = _axes("data", "expert") if np.all(np.asarray(g.expert) > 1) else ("data",)
+    full = s.remat == FULL
+    rows_f32 = s.tok * 4  # one float32 value per token
+    one = np.ones_like(s.act)
+    terms: list[Term] = []
+
+    def add(axes, kind, what, nbytes, execs, on, overlap, static=None, group=1):
+        execs = np.where(on, execs, 0) * one
+        static = execs if static is None else np.where(on, static, 0) * one
+        terms.append(Term(axes, kind, what, nbytes * one, execs, static, overlap, group))
+
+    # tensor: Megatron all-reduces. Non-pipelined: L layers once; GPipe/circular: every tick runs
+    # a chunk (bubble ticks compute too); 1F1B: conditional branches, M busy ticks of `ticks`.
+    layers_run = np.where(piped, s.ticks * s.Lc, s.L)
+    busy_layers = np.where(f1b, M * s.Lc, layers_run)
+    ar_bytes = np.where(piped, s.act_m, s.act)
+    # the recomputation all-reduces the attention output again (the block output is dead);
+    # 1F1B always recomputes the stage forward inside its backward (one fewer when Lc == 1).
+    recompute = np.where(f1b, M * (2 * s.Lc - (s.Lc == 1)), np.where(full, layers_run, 0))
+    static_scale = np.where(f1b, s.ticks / M, 1)
+    # GPipe/circular run each tick as two half-microbatches (pipeline.py): twice the ops, half the bytes.
+    halves = np.where(piped & ~f1b & ((s.rows / M) % 2 == 0), 2, 1)
+    for what, n in (("block forward (2 per layer)", 2 * busy_layers), ("block backward (2 per layer)", 2 * busy_layers),
+                    ("block recomputation", recompute)):
+        add(("tensor",), "all-reduce", what, ar_bytes / halves, n * halves, on_t, "exposed", n * halves * static_scale, t)
+    add(("tensor",), "all-reduce", "embedding forward (vocab-parallel)", s.act, 1, on_t, "exposed", None, t)
+    add(("tensor",), "all-reduce", "logits backward (vocab-parallel)", np.where(f1b, s.act_m, s.act),
+        np.where(f1b, M, 1), on_t, "exposed", np.where(f1b, s.ticks, 1), t)
+    add(("tensor",), "all-reduce", "cross-entropy max, sum, target", np.where(f1b, rows_f32 / M, rows_f32),
+        np.where(f1b, 3 * M, 3), on_t, "exposed", np.where(f1b, 3 * s.ticks, 3), t)
+
+    # pipe: the ring and the reductions around the stack.
+    send, sends = s.act_m / halves, s.ticks * halves
+    add(("pipe",), "collective-permute", "stage activations forward", send, sends, on_p, "tick", None, 2)
+    add(("pipe",), "collective-permute", "stage cotangents backward", send, sends, on_p, "tick", None, 2)
+    add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act, np.where(f1b, 1, 2), on_p, "exposed", None, p)
+    add(("pipe",), "all-reduce", "head gradients (1F1B psum)", 4 * s.outer_t, 1, on_p & f1b, "exposed", None, p)
+
+    # data: gradient reduction, ZeRO gathers. XLA:CPU all-reduces the gradients; on GPU/TPU the
+    # partitioner turns all-reduce + slice into a reduce-scatter when ZeRO shards the update
+    # (half the traffic; the result buffer is the 1/dp shard).
+    dp = s.dp
+    grad_loop = ~piped
+    # A pipelined ZeRO-3 stage gathers its weights inside the shard_map: the transpose is a
+    # reduce-scatter on every platform.
+    scatter = (s.zero > 0) & (not s.cpu)
+    for kind, on in (("all-reduce", on_d & ~scatter), ("reduce-scatter", on_d & scatter)):
+        shard = 1 if kind == "all-reduce" else dp
+        add(batch_axes, kind, "layer gradients (in the backward loop)", 4 * s.layer_t / shard, s.L, on & grad_loop,
+            "backward", None, dp)
+    for kind, on in (("all-reduce", on_d & ~(scatter | (s.zero == 3))), ("reduce-scatter", on_d & (scatter | (s.zero == 3)))):
+        shard = 1 if kind == "all-reduce" else dp
+        add(batch_axes, kind, "layer gradients (once, after the tick loop)", 4 * s.Ldev * s.layer_t / shard, 1,
+            on & piped, "exposed", None, dp)
+    for kind, on in (("all-reduce", on_d & ~scatter), ("reduce-scatter", on_d & scatter)):
+        shard = 1 if kind == "all-reduce" else dp
+        # 1F1B reduces the embedding twice: its (zero) head-side gradient inside, the real one outside.
+        outer_bytes = 4 * (s.outer_t + np.where(f1b, s.embed_t, 0)) / shard
+        add(batch_axes, kind, "embedding, head and final-norm gradients", outer_bytes, 1, on, "backward", None, dp)
+    # One gather per parameter array: 6 per layer (2 norms, qkv, out, wi, wo), embedding, head, norm.
+    z1, z3 = s.zero == 1, s.zero == 3
+    n_outer = 3 - int(w.model.tie_embeddings)
+    add(batch_axes, "all-gather", "ZeRO-1: updated parameters", 4 * s.params_t / (6 + n_outer), 6 + n_outer,
+        on_d & z1, "exposed", None, dp)
+    # ZeRO-3 outside the pipeline: per layer before use; the `none` policy keeps the gathered
+    # weights for the backward pass, a remat policy gathers them again there.
+    regather = np.where(s.remat == NONE, 1, 2)
+    add(batch_axes, "all-gather", "ZeRO-3: layer weights", 4 * s.layer_t / 6, 6 * s.L * regather,
+        on_d & z3 & ~piped, "compute", None, dp)
+    add(batch_axes, "all-gather", "ZeRO-3: stage weights (once per step)", 4 * s.Ldev * s.layer_t / 6, 6,
+        on_d & z3 & piped, "exposed", None, dp)
+    add(batch_axes, "all-gather", "ZeRO-3: embedding, head, final norm", 4 * s.outer_t / n_outer, n_outer,
+        on_d & z3, "compute", None, dp)
+    return terms
+
+
+def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla") -> dict[str, Any]:
+    """Bytes per device at the peak (the start of the backward pass), by part.
+
+    `attention`: 'xla' is what parallax compiles today (jax.nn.dot_product_attention's XLA path
+    keeps the [N, T, T] scores, their exponent and the probabilities); 'fused' a flash-style
+    kernel that keeps one float32 log-sum-exp per head and token.
+    """
+    s = Dims(w, g, platform)
+    c, D, F, H, N, K, T, t = s.c, s.D, s.F, s.H, s.N, s.K, s.T, s.t
+    dshard = s.dp  # ZeRO shards over the batch axes
+    params = 4 * s.params_t / np.where(s.zero == 3, dshard, 1)
+    opt = 8 * s.params_t / np.where(s.zero >= 1, dshard, 1)
+    grads = 4 * s.params_t / np.where(s.zero == 3, dshard, 1)
+    heads = N / t
+    scores = heads * T * 13 if attention == "xla" else heads * 4  # bool mask + 3 float32 / log-sum-exp
+    # Residuals of one un-rematted block per token (jax.ad_checkpoint.print_saved_residuals):
+    # x, x after attention, 2 x (normed float32 + scaled) ; q, k, v, attention output; 6 F-sized.
+    none = D * (3 * c + 2 * 4) + (2 * N + 2 * K) * H / t * c + scores + 6 * F / t * c
+    dots = 3 * D * c + (N + 2 * K) * H / t * c + 2 * F / t * c  # x, attention and MLP outputs; qkv; gate/up
+    full = D * c * (CPU_FULL_SAVED if s.cpu else 1.0)
+    saved_tok = np.select([s.remat == NONE, s.remat == FULL], [none, full], dots)
+    if not s.cpu and w.model.dtype != "float32":  # bfloat16 copies of the weights kept per layer
+        saved_layer = np.where(s.remat == NONE, 2 * (s.layer_t - 2 * D), 0)
+    else:
+        saved_layer = 0
+    tok_m = s.tok / s.M
+    vocab_t = s.V / t
+    # Saved activations. Plain: every layer once. GPipe/circular: every tick's chunk residuals
+    # until the backward loop. 1F1B: 2P stage inputs in the ring buffer, the input cotangents
+    # [M, B/M, T, D], one stage's residuals (Lc layers) while its vjp runs, and the gradient
+    # accumulators carried through the tick loop.
+    plain_saved = s.L * (s.tok * saved_tok + saved_layer)
+    # The circular schedule slices its chunk's weights per tick and the backward keeps each slice.
+    chunk_slices = np.where(s.sched == CIRCULAR, 4 * s.Lc * s.layer_t, 0)
+    gpipe_saved = s.ticks * (s.Lc * (tok_m * saved_tok + saved_layer) + chunk_slices)
+    f1b_saved = 2 * s.p * tok_m * D * c + s.act + s.Lc * (tok_m * saved_tok + saved_layer) + 4 * s.params_t
+    activations = np.where(s.f1b, f1b_saved, np.where(s.piped, gpipe_saved, plain_saved))
+    # Working set: one layer's backward needs about its un-rematted residuals at once (a whole
+    # chunk of them inside a pipeline tick); a 1-layer chunk compiles without an inner loop and
+    # its residuals are the working set itself.
+    work_tok = np.where(s.piped & ~s.f1b, s.Lc * tok_m, np.where(s.f1b, np.where(s.Lc > 1, tok_m, 0), s.tok))
+    work = (CPU_WORKING if s.cpu else ACCEL_WORKING) * np.where(s.f1b, F1B_WORKING, 1.0) * work_tok * none
+    logits_k = CPU_LOGITS if s.cpu else ACCEL_LOGITS
+    # The loss head runs on the whole shard (GPipe, plain) or one microbatch (1F1B), plus the
+    # one-hot embedding input of the whole shard.
+    head_tok = np.where(s.f1b, tok_m, s.tok)
+    logits = logits_k * head_tok * vocab_t * 4 + s.tok * vocab_t * c
+    # ZeRO-3 with the `none` policy keeps every gathered layer for the backward pass (see above).
+    gathered = np.where((s.zero == 3) & (s.remat == NONE) & ~s.piped, 4 * s.L * s.layer_t, 0)
+    gathered = gathered + np.where((s.zero == 3) & s.piped, 4 * s.params_t, 0)
+    batch = 2 * w.global_batch / s.dp * T * 4
+    parts = {"params": params, "optimizer": opt, "gradients": grads, "activations": activations,
+             "working": work, "logits": logits, "gathered": gathered, "batch": batch * np.ones_like(params)}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def model_flops_per_step(w: Workload) -> float:
+    """The MFU numerator: 6 N + causal attention per token (model.py), times tokens per step."""
+    from parallax.model import flops_per_token  # counts only; model.py's convention is the one logged
+
+    return flops_per_token(w.model, w.seq_len) * w.global_batch * w.seq_len
+
+
+def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> dict[str, Any]:
+    """FLOPs one device executes per step, by part (what sets its compute time).
+
+    Blocks: split over every axis; remat=full and 1F1B recompute the block forward (+1/3); the
+    GPipe/circular bubble ticks compute on zeros. Embedding (one-hot matmul, forward and table
+    gradient) and loss head are replicated over `pipe`: every stage runs them on its batch shard.
+    XLA's attention computes the whole [T, T] score matrix and masks it (12 N H T per token and
+    layer); a fused causal kernel skips the masked half (6 N H T, the model-FLOPs convention).
+    """
+    s = Dims(w, g)
+    attn = 12 if attention == "xla" else 6
+    per_tok_block = 6 * (s.D * s.H * (2 * s.N + 2 * s.K) + 3 * s.D * s.F) + attn * s.N * s.H * s.T  # per layer
+    recompute = np.where((s.remat == FULL) | s.f1b, 4 / 3, 1.0)
+    busy = np.where(s.piped & ~s.f1b, s.ticks / (s.r * s.M), 1.0)  # bubble ticks run the stage too
+    blocks = s.tok * s.Ldev * per_tok_block / s.t * recompute * busy
+    head = s.tok * 6 * s.D * s.V / s.t
+    embed = s.tok * 4 * s.D * s.V / s.t
+    return {"blocks": blocks, "head": head * np.ones_like(blocks), "embedding": embed * np.ones_like(blocks),
+            "total": blocks + head + embed}

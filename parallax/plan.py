@@ -1,0 +1,452 @@
+"""`parallax plan`: which layout should this model use on these devices?
+
+    parallax plan (EXPERIMENT.py | --preset NAME) [--set key=value ...] --devices N --device TYPE
+                  [--devices-per-host K] [--attention xla|fused] [--noise-scale B] [--top K] [--json]
+
+Searches every (data, tensor, pipe, expert) with product N that the model's shapes divide, every
+ZeRO stage, microbatch count, pipeline schedule (and circular repeats) and remat policy, and ranks
+the layouts that fit in device memory by predicted MFU. One vectorised evaluation of cost.py's
+model over all candidates (numpy): a 16,384-device search takes well under a second of arithmetic.
+
+Step time. Compute at a calibrated fraction of the device's dense peak (DEVICES[...].efficiency);
+the FLOPs are those the device executes (cost.hardware_flops_per_device: recomputation, GPipe's
+bubble ticks, the embedding and loss head replicated over `pipe`). Each collective runs on the
+link level its group crosses, given the device order (tensor innermost, then expert, data, pipe
+outermost) and K devices per fast domain (an NVLink host; a TPU ICI slice): ring algorithms,
+2(n-1)/n S for all-reduce, (n-1)/n S for all-gather, S for a permute, plus a fixed latency.
+Overlap as the design states: tensor all-reduces exposed; the data-parallel gradient reduction
+inside the backward layer loop hidden behind the backward pass (after the tick loop when
+pipelined: exposed); ZeRO-3 gathers prefetched behind compute; pipeline sends behind the other
+half-microbatch's compute (exposed only where longer); the 1F1B/GPipe bubble (P-1)/(R M+P-1).
+
+MoE is not built in parallax yet (mesh.expert must be 1): the planner plans dense models only and
+says so for the MoE preset, rather than forecast a program nobody can compile and audit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from parallax.config import (Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, UserError, apply_overrides,
+                             load_experiment)
+from parallax.cost import (CIRCULAR, FULL, GPIPE, NONE, ONE_F_ONE_B, REMATS, SCHEDULES, Grid, Workload,
+                           collective_terms, hardware_flops_per_device, memory_parts, model_flops_per_step)
+from parallax.metrics import PEAK_FLOPS
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_bf16: float  # dense FLOP/s
+    peak_fp8: float | None
+    hbm_bytes: float
+    intra_bw: float  # bytes/s per device, one direction, inside the fast domain (NVLink, ICI)
+    inter_bw: float  # bytes/s per device across fast domains (InfiniBand/Ethernet NIC, DCN)
+    per_host: int  # fast-domain size: devices per NVLink host, or the ICI slice of a TPU
+    efficiency: float  # calibrated fraction of peak the step's compute reaches (see CALIBRATION)
+
+
+# Peaks reuse metrics.PEAK_FLOPS (dense, no sparsity). Memory and links: vendor datasheets (NVIDIA
+# A100/H100/H200/DGX B200; Google Cloud TPU system-architecture pages). GPU inter-host: one NIC
+# per GPU (HDR 200 Gb/s on A100 systems, NDR 400 Gb/s on Hopper/Blackwell). TPU intra: ICI per
+# chip, one direction; inter: data-center network per chip (v5p: 50 Gb/s documented; v4/v5e/v6e
+# from per-host NIC figures).
+def _d(key, name, hbm_gb, intra_gbs, inter_gbs, per_host, efficiency) -> Device:
+    p = PEAK_FLOPS[key]
+    return Device(name, p["bf16"], p["fp8"], hbm_gb * 1e9, intra_gbs * 1e9, inter_gbs * 1e9, per_host, efficiency)
+
+
+# CALIBRATION (BUILD_NOTES.md, "Planner"): efficiency is the fraction of dense peak the whole
+# step's compute reaches. Hopper: set so the planner predicts MaxText's 52% BF16 MFU for
+# Llama-2-70B on H100; TPU: MaxText's 65% for Llama-2-70B on v5p; A100: its large-GEMM
+# efficiency (~0.8 of peak) times ~0.9 for the non-matmul work. B200 has no public figure we
+# trust: Hopper's value, lower. None is fitted to the published runs the tests compare against.
+DEVICES = {
+    "a100-80gb": _d("a100", "A100-80GB SXM", 80, 300, 25, 8, 0.72),
+    "h100": _d("h100", "H100 SXM", 80, 450, 50, 8, 0.60),
+    "h200": _d("h200", "H200 SXM", 141, 450, 50, 8, 0.60),
+    "b200": _d("b200", "B200 (DGX)", 180, 900, 50, 8, 0.55),
+    "tpu-v4": _d("tpu v4", "TPU v4", 32 * GiB / 1e9, 300, 3.125, 4096, 0.70),
+    "tpu-v5e": _d("tpu v5e", "TPU v5e", 16, 200, 3.125, 256, 0.70),
+    "tpu-v5p": _d("tpu v5p", "TPU v5p", 95 * GiB / 1e9, 600, 6.25, 6144, 0.70),
+    "tpu-v6e": _d("tpu v6e", "TPU v6e", 32, 400, 12.5, 256, 0.70),
+}
+ALIASES = {"a100": "a100-80gb", "v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e"}
+USABLE_MEMORY = 0.90  # of HBM: XLA's own buffers, fragmentation (raise XLA_PYTHON_CLIENT_MEM_FRACTION from 0.75)
+LINK_EFFICIENCY = 0.80  # achieved / nominal bandwidth of large ring collectives (NCCL bus bandwidth, ICI)
+LATENCY_INTRA, LATENCY_INTER = 10e-6, 30e-6  # seconds per collective
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets: published shapes, bent where parallax's model cannot express them (said in `note`)
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: ModelConfig
+    global_batch: int
+    seq_len: int
+    note: str
+    moe: bool = False
+
+
+def _m(d, L, n, k, f, v) -> ModelConfig:
+    return ModelConfig(d_model=d, n_layers=L, n_heads=n, n_kv_heads=k, d_ff=f, vocab_size=v, dtype="bfloat16")
+
+
+PRESETS = {
+    "gpt3-175b": Preset(_m(12288, 96, 96, 96, 32768, 51200), 1536, 2048,
+                        "GPT-3 175B (Brown et al. 2020): SwiGLU with d_ff 8D/3 keeps the 4D GELU MLP's parameter "
+                        "count; vocab padded to 51200"),
+    "dense-1t": Preset(_m(25600, 128, 160, 160, 68352, 51200), 8192, 2048,
+                       "Megatron-LM's 1T shape (Narayanan et al. 2021; SwiGLU d_ff ~8D/3); batch 8192 x 2048 "
+                       "(16.8M tokens) so that data=128 x pipe=16 has microbatches to fill the pipeline"),
+    "llama3-405b": Preset(_m(16384, 126, 128, 8, 53248, 128256), 2048, 8192,
+                          "Llama 3 405B (Dubey et al. 2024): 16M-token steps at 8K context; parallax needs "
+                          "n_layers divisible by pipe (Meta's 16 stages were uneven)"),
+    "palm-540b": Preset(_m(18432, 118, 48, 12, 73728, 258048), 2048, 2048,
+                        "PaLM 540B-like (Chowdhery et al. 2022): parallax ties head dim to d_model/heads (384, "
+                        "PaLM 256) and shards kv heads over tensor (12 here, PaLM multi-query 1): 586B params; "
+                        "vocab 256k padded to 258048 (divisible by 12)"),
+    "llama2-70b": Preset(_m(8192, 80, 64, 8, 28672, 32000), 512, 4096, "Llama 2 70B (calibration: MaxText)"),
+    "mixtral-8x7b": Preset(_m(4096, 32, 32, 8, 14336, 32000), 1024, 4096,
+                           "Mixtral 8x7B: 8 experts, top-2", moe=True),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The search
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3)) -> Grid:
+    """Every layout parallax accepts (config.validate's rules) for `w` on n_devices, as arrays."""
+    m = w.model
+    rows = []
+    for t in _divisors(n_devices):
+        if m.n_heads % t or m.n_kv_heads % t or m.d_ff % t or m.vocab_size % t:
+            continue
+        for p in _divisors(n_devices // t):
+            if m.n_layers % p:
+                continue
+            d = n_devices // (t * p)
+            if w.global_batch % d:
+                continue
+            shard_rows = w.global_batch // d
+            micro = [1] if p == 1 else [mb for mb in _divisors(shard_rows) if mb >= p]
+            micro += [mb for mb in _divisors(shard_rows) if p == 1 and mb > 1]  # 1F1B-only memory lever
+            for mb in micro:
+                scheds = [(GPIPE, 1)] if mb == 1 and p == 1 else [(GPIPE, 1), (ONE_F_ONE_B, 1)]
+                if p > 1 and mb % p == 0:
+                    scheds += [(CIRCULAR, r) for r in _divisors(m.n_layers // p) if r > 1]
+                for (sched, r), zero, remat in itertools.product(scheds, zero_stages, range(len(REMATS))):
+                    if zero and m.d_model % d:
+                        continue
+                    if sched == ONE_F_ONE_B and zero == 3:
+                        continue
+                    if p == 1 and mb > 1 and sched != ONE_F_ONE_B:
+                        continue
+                    rows.append((d, t, p, 1, zero, mb, sched, r, remat))
+    if not rows:
+        return Grid(*(np.zeros(0, int) for _ in range(9)))
+    a = np.asarray(rows, dtype=np.int64).T
+    return Grid(*a)
+
+
+_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+           "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: (n - 1) / n}
+
+
+def collective_seconds(kind: str, nbytes, group, stride, dev: Device, per_host: int):
+    """Seconds of one collective on a group of `group` devices `stride` ids apart (the device
+    order), hierarchically: the members inside one fast domain first (NVLink/ICI), then the
+    domains over the slow links on 1/inner of the data each, as NCCL's and XLA's hierarchical
+    algorithms do. A permute crosses the slow links when any neighbour pair does."""
+    group, stride = np.maximum(np.asarray(group, float), 1), np.asarray(stride, float)
+    inner = np.clip(per_host // np.maximum(stride, 1), 1, group)  # members sharing a domain
+    outer = np.maximum(group / inner, 1)  # domains the group spans
+    bw_in, bw_out = dev.intra_bw * LINK_EFFICIENCY, dev.inter_bw * LINK_EFFICIENCY
+    crosses = outer > 1
+    latency = np.where(crosses, LATENCY_INTER, LATENCY_INTRA)
+    if kind == "collective-permute":
+        return nbytes / np.where(crosses, bw_out, bw_in) + latency
+    f = _FACTOR[kind]
+    return f(inner) * nbytes / bw_in + np.where(crosses, f(outer) * nbytes / inner / bw_out, 0) + latency
+
+
+def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = "xla", fp8: bool = False) -> dict:
+    """Predicted memory, time parts and MFU of every layout in `g` (arrays)."""
+    t, p, d, e = (np.asarray(x) for x in (g.tensor, g.pipe, g.data, g.expert))
+    n = t * p * d * e
+    mem = memory_parts(w, g, "accelerator", attention)
+    hw = hardware_flops_per_device(w, g, attention)
+    peak = (dev.peak_fp8 or dev.peak_bf16) if fp8 else dev.peak_bf16
+    rate = peak * dev.efficiency
+    m_, sched = np.asarray(g.microbatches), np.asarray(g.schedule)
+    piped = (p > 1) | (m_ > 1)
+    f1b = piped & (sched == ONE_F_ONE_B)
+    t_blocks = hw["blocks"] / rate
+    stretch = np.where(f1b, (m_ + p - 1) / m_, 1.0)  # 1F1B: busy work stretched by its bubble
+    t_compute = t_blocks * stretch + (hw["head"] + hw["embedding"]) / rate
+    strides = {"tensor": 1, "expert": t, "data": t * e, "pipe": t * e * d}  # device order: tensor innermost
+    exposed = {"tensor": 0.0, "pipe": 0.0, "data": 0.0}
+    hidden_data = 0.0  # behind the backward pass
+    hidden_zero3 = 0.0  # behind compute
+    tick_send = 0.0
+    for term in collective_terms(w, g, "accelerator"):
+        axis = "data" if "data" in term.axes else term.axes[0]
+        secs = term.executions * collective_seconds(term.kind, term.bytes, term.group, strides[axis], dev, per_host)
+        secs = np.where(term.executions > 0, secs, 0.0)
+        if term.overlap == "tick":
+            tick_send = tick_send + secs
+        elif term.overlap == "backward":
+            hidden_data = hidden_data + secs
+        elif term.overlap == "compute":
+            hidden_zero3 = hidden_zero3 + secs
+        elif axis == "tensor":
+            exposed["tensor"] = exposed["tensor"] + secs * stretch
+        else:
+            exposed[axis] = exposed[axis] + secs
+    t_backward = t_blocks * 2 / 3
+    exposed["data"] = exposed["data"] + np.maximum(hidden_data - np.where(piped, 0, t_backward), 0)
+    exposed["data"] = exposed["data"] + np.maximum(hidden_zero3 - t_compute, 0)
+    exposed["pipe"] = exposed["pipe"] + np.maximum(tick_send - t_compute / 2, 0)  # half the tick hides it
+    step = t_compute + exposed["tensor"] + exposed["pipe"] + exposed["data"]
+    flops = model_flops_per_step(w)
+    mfu = flops / (n * dev.peak_bf16 * step)
+    r = np.asarray(g.repeats)
+    bubble = np.where(piped, (p - 1) / (np.where(sched == CIRCULAR, r, 1) * m_ + p - 1), 0.0)
+    return {"memory": mem, "flops": hw, "compute_s": t_compute, "tensor_s": exposed["tensor"],
+            "pipe_s": exposed["pipe"], "data_s": exposed["data"], "step_s": step, "mfu": mfu, "bubble": bubble}
+
+
+@dataclass(frozen=True)
+class Plan:
+    layouts: list[dict]
+    searched: int
+    fitting: int
+    seconds: float
+    notes: list[str]
+
+
+def _row(g: Grid, ev: dict, i: int) -> dict:
+    pick = lambda a: np.asarray(a).reshape(-1)[i] if np.ndim(a) else a  # noqa: E731
+    mem = {k: float(pick(v)) / GiB for k, v in ev["memory"].items()}
+    return {
+        "data": int(pick(g.data)), "tensor": int(pick(g.tensor)), "pipe": int(pick(g.pipe)), "expert": int(pick(g.expert)),
+        "zero": int(pick(g.zero)), "microbatches": int(pick(g.microbatches)), "schedule": SCHEDULES[int(pick(g.schedule))],
+        "repeats": int(pick(g.repeats)), "remat": REMATS[int(pick(g.remat))],
+        "memory_gib": round(mem.pop("total"), 3), "memory_parts_gib": {k: round(v, 3) for k, v in mem.items()},
+        "step_time_s": float(pick(ev["step_s"])), "mfu": float(pick(ev["mfu"])), "bubble": float(pick(ev["bubble"])),
+        "time_parts_s": {k: float(pick(ev[k + "_s"])) for k in ("compute", "tensor", "pipe", "data")},
+    }
+
+
+def search(w: Workload, n_devices: int, dev: Device, per_host: int, attention: str = "xla", fp8: bool = False,
+           top: int = 5) -> Plan:
+    started = time.perf_counter()
+    g = candidates(w, n_devices)
+    if np.size(g.data) == 0:
+        return Plan([], 0, 0, time.perf_counter() - started, [])
+    ev = evaluate(w, g, dev, per_host, attention, fp8)
+    fits = ev["memory"]["total"] <= dev.hbm_bytes * USABLE_MEMORY
+    order = np.argsort(-np.where(fits, ev["mfu"], -1.0), kind="stable")
+    best = [i for i in order[:top] if fits[i]]
+    return Plan([_row(g, ev, int(i)) for i in best], int(np.size(g.data)), int(fits.sum()),
+                time.perf_counter() - started, [])
+
+
+def min_memory(w: Workload, n_devices: int, dev: Device, attention: str) -> float:
+    """The least memory per device of any layout on n_devices (inf when none factors)."""
+    g = candidates(w, n_devices)
+    if np.size(g.data) == 0:
+        return math.inf
+    return float(np.min(memory_parts(w, g, "accelerator", attention)["total"]))
+
+
+def smallest_fitting_count(w: Workload, n_devices: int, dev: Device, attention: str, step: int) -> int | None:
+    """The smallest multiple of `step` above n_devices with a layout that fits: doubling, then
+    bisection (memory falls with the device count up to divisibility, so this is the smallest the
+    bisection finds)."""
+    limit = dev.hbm_bytes * USABLE_MEMORY
+    fits = lambda k: min_memory(w, k * step, dev, attention) <= limit  # noqa: E731
+    lo = max(n_devices // step, 1)
+    hi = lo * 2
+    while not fits(hi):
+        hi *= 2
+        if hi * step > 2**22:
+            return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi * step
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def _device(name: str) -> Device:
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in DEVICES:
+        raise UserError(f"--device {name!r}: unknown device type (known: {', '.join(DEVICES)})")
+    return DEVICES[key]
+
+
+def _workload(args: argparse.Namespace) -> tuple[Workload, Config, str]:
+    if (args.experiment is None) == (args.preset is None):
+        raise UserError("plan: give an experiment file or --preset NAME (not both)")
+    if args.preset is not None:
+        key = args.preset.lower()
+        if key not in PRESETS:
+            raise UserError(f"--preset {args.preset!r}: unknown preset (known: {', '.join(PRESETS)})")
+        pre = PRESETS[key]
+        if pre.moe:
+            raise UserError(f"--preset {key}: MoE is not built in parallax yet (mesh.expert must be 1); the planner "
+                            "plans dense models only until it lands")
+        cfg = Config(name=key, model=pre.model, train=TrainConfig(global_batch=pre.global_batch, seq_len=pre.seq_len))
+        note = pre.note
+    else:
+        cfg, note = load_experiment(args.experiment), ""
+    cfg = apply_overrides(cfg, args.set)
+    m = cfg.model
+    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name}: must be positive, got {getattr(m, name)}")
+    if m.d_model % m.n_heads or m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model: d_model={m.d_model}, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads} must divide evenly")
+    for name in ("global_batch", "seq_len"):
+        if getattr(cfg.train, name) <= 0:
+            raise ConfigError(f"train.{name}: must be positive, got {getattr(cfg.train, name)}")
+    return Workload.of(cfg), cfg, note
+
+
+def _no_factorization(w: Workload, n: int) -> str:
+    m = w.model
+    return (f"--devices {n}: no (data, tensor, pipe) factorization of {n} fits the model's divisibility: tensor must "
+            f"divide n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}, d_ff={m.d_ff} and vocab_size={m.vocab_size}; "
+            f"pipe must divide n_layers={m.n_layers}; data must divide train.global_batch={w.global_batch}")
+
+
+def cap_batch(global_batch: int, noise_scale: float) -> tuple[int, str | None]:
+    """The global batch capped near the gradient noise scale B_simple (McCandlish et al. 2018):
+    beyond it a bigger batch buys little more progress per step, so the extra data parallelism is
+    wasted. Returns (batch, message or None)."""
+    if noise_scale <= 0:
+        raise UserError(f"--noise-scale: must be positive, got {noise_scale}")
+    if global_batch <= 2 * noise_scale:
+        return global_batch, None
+    capped = global_batch
+    while capped > 2 * noise_scale and capped % 2 == 0:
+        capped //= 2
+    return capped, (f"train.global_batch={global_batch} is {global_batch / noise_scale:.1f}x the gradient noise "
+                    f"scale {noise_scale:g}: past ~2x it, a step's progress barely grows with the batch "
+                    f"(wasted data parallelism); planning with global batch {capped}")
+
+
+def explain(row: dict, dev: Device, per_host: int, n: int) -> str:
+    """One paragraph in the terms of the classic recipe."""
+    t, p, d = row["tensor"], row["pipe"], row["data"]
+    parts = [f"tensor={t} " + ("keeps each layer's Megatron all-reduces inside one fast domain "
+                              f"({per_host} devices)" if t <= per_host else "crosses fast domains (slow all-reduces)")
+             + (" and splits the layer's weights and activations" if t > 1 else "")]
+    if p > 1:
+        parts.append(f"pipe={p} splits the {row['microbatches']} microbatches' depth over stages "
+                     f"({row['schedule']}{', ' + str(row['repeats']) + ' chunks per stage' if row['repeats'] > 1 else ''}; "
+                     f"bubble {row['bubble']:.1%})")
+    parts.append(f"data={d} takes the rest of the {n} devices")
+    mem = row["memory_parts_gib"]
+    closing = []
+    if row["zero"]:
+        closing.append(f"ZeRO-{row['zero']} shards " + ("optimizer state" if row["zero"] == 1 else "parameters, gradients "
+                                                        "and optimizer state") + " over data")
+    if row["remat"] != "none":
+        closing.append(f"remat={row['remat']} trades recomputation for activation memory")
+    tp = row["time_parts_s"]
+    return ("; ".join(parts) + ". " + (" and ".join(closing).capitalize() + " to fit " if closing else "It fits ")
+            + f"{row['memory_gib']:.1f} GiB of {dev.hbm_bytes / GiB * USABLE_MEMORY:.0f} usable "
+            f"(activations {mem['activations'] + mem['working']:.1f}, states "
+            f"{mem['params'] + mem['optimizer'] + mem['gradients']:.1f}). Step {row['step_time_s']:.2f} s: compute "
+            f"{tp['compute']:.2f}, exposed tensor {tp['tensor']:.2f}, pipe {tp['pipe']:.2f}, data {tp['data']:.2f}; "
+            f"predicted MFU {row['mfu']:.1%}.")
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="search layouts for a model on N devices (cost model)")
+    p.add_argument("experiment", nargs="?", help="an experiment file defining get_config()")
+    p.add_argument("--preset", help=f"a named model instead of an experiment ({', '.join(PRESETS)})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--devices", type=int, required=True, help="device count N")
+    p.add_argument("--device", required=True, help=f"device type ({', '.join(DEVICES)})")
+    p.add_argument("--devices-per-host", type=int, help="fast-domain size (default: the device type's)")
+    p.add_argument("--attention", choices=("xla", "fused"), default="xla",
+                   help="xla: parallax's attention today (materialised scores); fused: a flash-style kernel")
+    p.add_argument("--noise-scale", type=float, help="gradient noise scale B_simple (sequences): cap the batch near it")
+    p.add_argument("--top", type=int, default=5, help="layouts to show")
+    p.add_argument("--json", action="store_true", help='print {"layouts": [...]} best first')
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    dev = _device(args.device)
+    if args.devices <= 0:
+        raise UserError(f"--devices: must be positive, got {args.devices}")
+    per_host = args.devices_per_host or dev.per_host
+    if per_host <= 0:
+        raise UserError(f"--devices-per-host: must be positive, got {per_host}")
+    w, cfg, note = _workload(args)
+    notes = [note] if note else []
+    if args.noise_scale is not None:
+        batch, msg = cap_batch(w.global_batch, args.noise_scale)
+        if msg:
+            notes.append(msg)
+            w = dataclasses.replace(w, global_batch=batch)
+    result = search(w, args.devices, dev, per_host, args.attention, cfg.fp8.enabled, max(args.top, 1))
+    if result.searched == 0:
+        raise UserError(_no_factorization(w, args.devices))
+    if not result.layouts:
+        least = min_memory(w, args.devices, dev, args.attention)
+        more = smallest_fitting_count(w, args.devices, dev, args.attention, min(per_host, args.devices))
+        raise UserError(
+            f"no layout of {cfg.name} fits {dev.name} memory on {args.devices} devices (the leanest needs "
+            f"{least / GiB:.1f} GiB of {dev.hbm_bytes * USABLE_MEMORY / GiB:.1f} usable); "
+            + (f"the smallest device count that fits is {more}" if more else "no device count up to 4M fits"))
+    if args.json:
+        print(json.dumps({"layouts": result.layouts, "searched": result.searched, "fitting": result.fitting,
+                          "search_s": round(result.seconds, 3), "notes": notes}))
+        return 0
+    n_params = sum(v for k, v in _param_counts(cfg.model).items() if k != "total")
+    print(f"plan: {cfg.name} ({n_params / 1e9:.1f}B params, batch {w.global_batch} x {w.seq_len}) on {args.devices} "
+          f"{dev.name} ({per_host} per fast domain); {result.searched} layouts searched, {result.fitting} fit, "
+          f"{result.seconds:.2f} s")
+    for line in notes:
+        print(f"note: {line}")
+    head = f"{'#':>2} {'data':>5} {'tensor':>6} {'pipe':>4} {'zero':>4} {'micro':>5} {'schedule':>10} {'remat':>5} " \
+           f"{'GiB':>6} {'step s':>8} {'bubble':>6} {'MFU':>6}"
+    print(head)
+    for i, r in enumerate(result.layouts, 1):
+        sched = r["schedule"] + (f"x{r['repeats']}" if r["repeats"] > 1 else "")
+        print(f"{i:>2} {r['data']:>5} {r['tensor']:>6} {r['pipe']:>4} {r['zero']:>4} {r['microbatches']:>5} "
+              f"{sched:>10} {r['remat']:>5} {r['memory_gib']:>6.1f} {r['step_time_s']:>8.3f} {r['bubble']:>6.1%} "
+              f"{r['mfu']:>6.1%}")
+    print(explain(result.layouts[0], dev, per_host, args.devices))
+    return 0
+
+
+def _param_counts(m: ModelConfig) -> dict[str, int]:
+    from parallax.model import count_params
+
+    return count_params(m)
