@@ -222,10 +222,10 @@ def _handlers() -> dict:
 class Checkpoints:
     """WORKDIR/checkpoints. Reading (`steps`, `restore`) writes nothing; `open` prepares saving."""
 
-    def __init__(self, workdir: str | os.PathLike, cfg: CheckpointConfig):
+    def __init__(self, workdir: str | os.PathLike, cfg: CheckpointConfig | None = None):
         self.workdir = Path(workdir).absolute()
         self.directory = self.workdir / "checkpoints"
-        self.cfg = cfg
+        self.cfg = cfg or CheckpointConfig()
         self.last_saved: int | None = None
         self._manager: ocp.CheckpointManager | None = None
         self._disk: DiskForm | None = None

@@ -34,28 +34,26 @@ REMATS = ("none", "full", "dots")
 GPIPE, CIRCULAR, ONE_F_ONE_B = range(3)
 NONE, FULL, DOTS = range(3)
 
-# XLA:CPU activation memory, fitted on 54 compiles (experiments/calibrate_cost.py: d_model, d_ff,
+# XLA:CPU activation memory, read off 71 compiles (experiments/calibrate_cost.py: d_model, d_ff,
 # layers, heads, sequence, batch, vocab and tensor varied one at a time under each remat policy
-# and dtype; none of them is a layout the validation tests use).
+# and dtype, plus pipeline and ZeRO layouts; a model the validation tests do not use).
 CPU_FULL_SAVED = 2.0  # remat=full keeps the block input twice (the scan carry and its stack)
 CPU_WORKING = 0.8  # one layer's backward needs ~0.8 of its un-rematted residuals live at once
 CPU_LOGITS = 3.0  # logits, their softmax and gradient: ~3 float32 [B, T, V/tensor] buffers
-# On accelerators (the planner): XLA fuses more and frees sooner; bfloat16 stays bfloat16.
+F1B_WORKING = 1.5  # 1F1B: the stage vjp's backward temporaries on top of its residuals
+# On accelerators (the planner; not measured here, no GPU run): one layer's residuals as the
+# working set, the same logits buffers, bfloat16 activations stay bfloat16.
 ACCEL_WORKING = 1.0
-F1B_WORKING = 1.5  # 1F1B: the stage vjp's backward temporaries on top of its residuals (1.2 / 0.8)
 ACCEL_LOGITS = 3.0
 
 
 @dataclass(frozen=True)
 class Workload:
-    """Everything but the layout: the model and the batch (and MoE counts, planner only)."""
+    """Everything but the layout: the model and the batch. Dense only: MoE is not built yet."""
 
     model: ModelConfig
     global_batch: int
     seq_len: int
-    experts: int = 0  # MoE is not built in parallax: only the planner reads these (plan.py)
-    top_k: int = 0
-    capacity: float = 1.25
 
     @classmethod
     def of(cls, cfg: Config) -> Workload:
@@ -180,8 +178,12 @@ def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> lis
 
     # pipe: the ring and the reductions around the stack.
     send, sends = s.act_m / halves, s.ticks * halves
+    # Sends overlap compute where something is left to compute: GPipe's first half-microbatch
+    # behind the second, 1F1B's forward send behind the tick's backward; 1F1B's cotangent send
+    # comes after all of the tick's compute.
     add(("pipe",), "collective-permute", "stage activations forward", send, sends, on_p, "tick", None, 2)
-    add(("pipe",), "collective-permute", "stage cotangents backward", send, sends, on_p, "tick", None, 2)
+    add(("pipe",), "collective-permute", "stage cotangents backward", send, sends, on_p & ~f1b, "tick", None, 2)
+    add(("pipe",), "collective-permute", "stage cotangents backward (1F1B)", send, sends, on_p & f1b, "exposed", None, 2)
     add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act, np.where(f1b, 1, 2), on_p, "exposed", None, p)
     add(("pipe",), "all-reduce", "head gradients (1F1B psum)", 4 * s.outer_t, 1, on_p & f1b, "exposed", None, p)
 
@@ -297,11 +299,14 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     layer); a fused causal kernel skips the masked half (6 N H T, the model-FLOPs convention).
     """
     s = Dims(w, g)
-    attn = 12 if attention == "xla" else 6
-    per_tok_block = 6 * (s.D * s.H * (2 * s.N + 2 * s.K) + 3 * s.D * s.F) + attn * s.N * s.H * s.T  # per layer
-    recompute = np.where((s.remat == FULL) | s.f1b, 4 / 3, 1.0)
+    attn = 4 if attention == "xla" else 2
+    wo = 2 * s.F * s.D  # the last matmul: its output is dead in a recomputation (XLA drops it)
+    fwd = 2 * (s.D * s.H * (2 * s.N + 2 * s.K) + 2 * s.D * s.F) + wo + attn * s.N * s.H * s.T  # per token, layer
+    # remat=full recomputes each layer's forward but its last matmul; 1F1B recomputes the stage
+    # from its input, which needs every layer's output but the chunk's last.
+    recompute = np.where(s.f1b, fwd - wo / s.Lc, np.where(s.remat == FULL, fwd - wo, 0))
     busy = np.where(s.piped & ~s.f1b, s.ticks / (s.r * s.M), 1.0)  # bubble ticks run the stage too
-    blocks = s.tok * s.Ldev * per_tok_block / s.t * recompute * busy
+    blocks = s.tok * s.Ldev * (3 * fwd + recompute) / s.t * busy
     head = s.tok * 6 * s.D * s.V / s.t
     embed = s.tok * 4 * s.D * s.V / s.t
     return {"blocks": blocks, "head": head * np.ones_like(blocks), "embedding": embed * np.ones_like(blocks),

@@ -289,8 +289,20 @@ def fp8_variables(fp8: Any) -> dict[str, Any]:
 
 
 def overwrite(old: Any, new: Any) -> Any:
-    """The next FP8 state: the step's 'gradient' of the state is its new value (float32)."""
-    return jax.tree.map(lambda o, n: n.astype(o.dtype), old, new)
+    """The next FP8 state: the step's 'gradient' of the state is its new value (float32).
+
+    A tensor whose new scale is not positive was not used this step (autodiff gives zero, or fm32's
+    zero, -inf, for an unused input; a used one always has a scale > 0): it keeps its old state.
+    """
+    if not old:
+        return old
+    flat_old, flat_new = traverse_util.flatten_dict(old), traverse_util.flatten_dict(new)
+    out = {}
+    for path, o in flat_old.items():
+        prefix = next(p for p in TENSORS if path[-1].startswith(p + "_"))
+        scale = flat_new[(*path[:-1], f"{prefix}_scale")]
+        out[path] = jnp.where(scale > 0, flat_new[path].astype(o.dtype), o)  # [..., 1] broadcasts
+    return traverse_util.unflatten_dict(out)
 
 
 def combine(*states: Any) -> Any:

@@ -236,3 +236,49 @@ class Progress:
             self._last_printed, self._pending = (step, now), None
         else:
             self._pending = line
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training",
+# appendix A): how big should the global batch be? Not wired into the train step yet (it needs
+# per-replica gradient norms, which GSPMD's in-loop gradient all-reduce does not expose).
+
+
+def noise_scale_terms(small_sq_norm: float, big_sq_norm: float, b_small: float, b_big: float) -> tuple[float, float]:
+    """Unbiased estimates of (|G|^2, tr(Sigma)) from squared gradient norms at two batch sizes.
+
+    E|G_B|^2 = |G|^2 + tr(Sigma) / B for a mean gradient over B examples, so two batch sizes give
+    two equations. `small_sq_norm`: |G_small|^2 averaged over the small batches that make up the
+    big one (per-replica or per-microbatch gradients); `big_sq_norm`: |G_big|^2 of their mean.
+    """
+    if not 0 < b_small < b_big:
+        raise ValueError(f"need 0 < b_small < b_big, got {b_small}, {b_big}")
+    g2 = (b_big * big_sq_norm - b_small * small_sq_norm) / (b_big - b_small)
+    trace = (small_sq_norm - big_sq_norm) / (1.0 / b_small - 1.0 / b_big)
+    return g2, trace
+
+
+class NoiseScale:
+    """B_simple = tr(Sigma) / |G|^2, smoothed over steps.
+
+    Each term is an exponential moving average and B_simple is their ratio (McCandlish et al.):
+    a single step's |G|^2 estimate is noisy and can be negative, so averaging ratios would not do.
+    `update` returns the current estimate, or None while the |G|^2 average is not positive.
+    """
+
+    def __init__(self, decay: float = 0.95):
+        if not 0 <= decay < 1:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self._g2 = self._trace = 0.0
+
+    def update(self, small_sq_norm: float, big_sq_norm: float, b_small: float, b_big: float) -> float | None:
+        g2, trace = noise_scale_terms(small_sq_norm, big_sq_norm, b_small, b_big)
+        self._g2 = self.decay * self._g2 + (1 - self.decay) * g2
+        self._trace = self.decay * self._trace + (1 - self.decay) * trace
+        return self.value
+
+    @property
+    def value(self) -> float | None:
+        # The EMAs' start-up bias (1 - decay^n) is the same factor on both and cancels in the ratio.
+        return self._trace / self._g2 if self._g2 > 0 else None

@@ -30,16 +30,14 @@ import dataclasses
 import itertools
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from parallax.config import (Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, UserError, apply_overrides,
-                             load_experiment)
-from parallax.cost import (CIRCULAR, FULL, GPIPE, NONE, ONE_F_ONE_B, REMATS, SCHEDULES, Grid, Workload,
-                           collective_terms, hardware_flops_per_device, memory_parts, model_flops_per_step)
+from parallax.config import Config, ConfigError, ModelConfig, TrainConfig, UserError, apply_overrides, load_experiment
+from parallax.cost import (CIRCULAR, GPIPE, ONE_F_ONE_B, REMATS, SCHEDULES, Grid, Workload, collective_terms,
+                           hardware_flops_per_device, memory_parts, model_flops_per_step)
 from parallax.metrics import PEAK_FLOPS
 
 GiB = 2**30
@@ -264,7 +262,7 @@ def search(w: Workload, n_devices: int, dev: Device, per_host: int, attention: s
         return Plan([], 0, 0, time.perf_counter() - started, [])
     ev = evaluate(w, g, dev, per_host, attention, fp8)
     fits = ev["memory"]["total"] <= dev.hbm_bytes * USABLE_MEMORY
-    order = np.argsort(-np.where(fits, ev["mfu"], -1.0), kind="stable")
+    order = np.lexsort((ev["memory"]["total"], -np.where(fits, ev["mfu"], -1.0)))  # best MFU, then least memory
     best = [i for i in order[:top] if fits[i]]
     return Plan([_row(g, ev, int(i)) for i in best], int(np.size(g.data)), int(fits.sum()),
                 time.perf_counter() - started, [])
@@ -294,6 +292,60 @@ def smallest_fitting_count(w: Workload, n_devices: int, dev: Device, attention: 
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     return hi * step
+
+
+# ----------------------------------------------------------------------------------------------
+# Published runs the planner is checked against (tests/test_plan.py, experiments/published_runs.py)
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    preset: str
+    devices: int
+    device: str
+    layout: dict  # data, tensor, pipe as published
+    mfu: tuple[float, float]  # published MFU range (model FLOPs, BF16 peak)
+    source: str
+    per_host: int | None = None
+    global_batch: int | None = None  # when the run's differs from the preset's
+
+
+PUBLISHED = [
+    PublishedRun("Megatron-LM 1T, classic 3D layout", "dense-1t", 16384, "a100-80gb",
+                 {"data": 128, "tensor": 8, "pipe": 16}, (0.39, 0.39),
+                 "Narayanan et al. 2021: 163 TFLOP/s/GPU = 52% of A100 peak counting the recomputed forward "
+                 "(their FLOP formula); 52% x 3/4 = 39% in model FLOPs. Run on 3072 GPUs (TP8 PP64 DP6); "
+                 "TP8/PP16/DP128 on 16,384 GPUs is the issue's classic 3D layout for it"),
+    PublishedRun("Llama 3 405B", "llama3-405b", 16384, "h100", {"data": 128, "tensor": 8, "pipe": 16}, (0.38, 0.43),
+                 "Dubey et al. 2024, table 4: 38-43% BF16 MFU on 8K-16K H100s"),
+    PublishedRun("PaLM 540B", "palm-540b", 6144, "tpu-v4", {"data": 512, "tensor": 12, "pipe": 1}, (0.462, 0.462),
+                 "Chowdhery et al. 2022: 46.2% MFU on 6144 TPU v4 (2 pods of 3072 chips), 12-way model "
+                 "parallel x 256-way FSDP per pod x 2 pods", per_host=3072),
+]
+
+
+def compare_published(run: PublishedRun, attention: str = "fused") -> dict:
+    """The planner's choice for a published run beside the published layout and MFU. `fused`
+    attention by default: every published run used a fused attention kernel."""
+    pre = PRESETS[run.preset]
+    w = Workload(pre.model, run.global_batch or pre.global_batch, pre.seq_len)
+    dev, per_host = DEVICES[run.device], run.per_host or DEVICES[run.device].per_host
+    plan = search(w, run.devices, dev, per_host, attention, top=1)
+    g = candidates(w, run.devices)
+    lay = run.layout
+    match = ((np.asarray(g.data) == lay["data"]) & (np.asarray(g.tensor) == lay["tensor"])
+             & (np.asarray(g.pipe) == lay["pipe"])) if np.size(g.data) else np.zeros(0, bool)
+    published = None
+    if match.any():  # the published layout as parallax would run it: its best variant
+        idx = np.nonzero(match)[0]
+        sub = g.pick(idx)
+        ev = evaluate(w, sub, dev, per_host, attention)
+        fits = ev["memory"]["total"] <= dev.hbm_bytes * USABLE_MEMORY
+        i = int(np.argmax(np.where(fits, ev["mfu"], -1.0))) if fits.any() else int(np.argmin(ev["memory"]["total"]))
+        published = {**_row(sub, ev, i), "fits": bool(fits[i])}
+    return {"run": run, "chosen": plan.layouts[0] if plan.layouts else None, "published_in_parallax": published,
+            "usable_gib": dev.hbm_bytes * USABLE_MEMORY / GiB}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,7 +429,8 @@ def explain(row: dict, dev: Device, per_host: int, n: int) -> str:
     if row["remat"] != "none":
         closing.append(f"remat={row['remat']} trades recomputation for activation memory")
     tp = row["time_parts_s"]
-    return ("; ".join(parts) + ". " + (" and ".join(closing).capitalize() + " to fit " if closing else "It fits ")
+    closing = " and ".join(closing)
+    return ("; ".join(parts) + ". " + (closing[:1].upper() + closing[1:] + " to fit " if closing else "It fits ")
             + f"{row['memory_gib']:.1f} GiB of {dev.hbm_bytes / GiB * USABLE_MEMORY:.0f} usable "
             f"(activations {mem['activations'] + mem['working']:.1f}, states "
             f"{mem['params'] + mem['optimizer'] + mem['gradients']:.1f}). Step {row['step_time_s']:.2f} s: compute "

@@ -310,8 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
+    from parallax.audit import add_audit_parser, audit_command  # neither imports JAX at module load
+    from parallax.plan import add_plan_parser, plan_command
+
+    add_audit_parser(sub)
+    add_plan_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command == "audit":  # sizes the simulated CPU devices before JAX starts, as train does
+            return audit_command(args, configure_host_devices)
+        if args.command == "plan":
+            return plan_command(args)
         return train_command(args)
     except UserError as e:
         if args.debug:

@@ -13,11 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from parallax.audit import collectives, groups_to_axes, summarize
+from parallax.audit import FAST_COMPILE, collectives, compile_step, groups_to_axes, summarize
 from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
 from parallax.mesh import make_mesh
 from parallax.train_state import bytes_per_device, init_state, make_layout
-from parallax.train_step import batch_sharding, make_train_step
 
 MODEL = ModelConfig(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256)
 B, T, DATA, TENSOR = 8, 32, 4, 2
@@ -32,18 +31,12 @@ def _config(zero: int) -> Config:
     )
 
 
-def _abstract(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
 @pytest.fixture(scope="module", params=[0, 1, 3])
 def compiled(request):
     cfg = _config(request.param)
     mesh = make_mesh(cfg.mesh)
     layout = make_layout(cfg, mesh)
-    state = _abstract(layout.abstract_state, layout.state_shardings)
-    batch = {k: jax.ShapeDtypeStruct((B, T), np.int32, sharding=batch_sharding(mesh)) for k in ("inputs", "targets")}
-    hlo = make_train_step(cfg, layout).lower(state, batch).compile().as_text()
+    hlo = compile_step(cfg, FAST_COMPILE).hlo  # one compile per layout, shared with test_cost_validation.py
     params = layout.abstract_state.params
     param_bytes = sum(
         4 * int(np.prod(s.shard_shape(p.shape)))

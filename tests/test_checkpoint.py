@@ -88,7 +88,7 @@ def _copy(reference: dict, tmp_path: Path) -> Path:
 def reference(tmp_path_factory):
     wd = tmp_path_factory.mktemp("reference") / "run"
     assert main(_argv(wd)) == 0
-    assert Checkpoints(wd, None).steps() == [STEPS - 2 * EVERY, STEPS - EVERY, STEPS]  # keep=3
+    assert Checkpoints(wd).steps() == [STEPS - 2 * EVERY, STEPS - EVERY, STEPS]  # keep=3
     return {"wd": wd, "records": _records(wd), "params": _params(wd, STEPS)}
 
 
@@ -100,7 +100,7 @@ def test_stop_and_resume_is_bit_identical(reference, tmp_path, capsys):
     wd = tmp_path / "run"
     assert main(_argv(wd, "--stop-at", "10")) == 0
     assert "stopped at step 10" in capsys.readouterr().out
-    assert Checkpoints(wd, None).steps() == [4, 8, 10]
+    assert Checkpoints(wd).steps() == [4, 8, 10]
     assert max(_records(wd)) == 10
     assert main(_argv(wd)) == 0
     assert "resuming from checkpoint step 10" in capsys.readouterr().out
@@ -150,14 +150,14 @@ def interrupted(tmp_path_factory):
         proc = _spawn(wd, cache, log)
         _wait_for_step(proc, wd, target)
         proc.send_signal(signal.SIGKILL)
-        out["a_rc"], out["a_steps"] = proc.wait(60), Checkpoints(wd, None).steps()
+        out["a_rc"], out["a_steps"] = proc.wait(60), Checkpoints(wd).steps()
     # B. Past every step A may have reached, then SIGTERM.
     with open(root / "b.log", "w") as log:
         proc = _spawn(wd, cache, log)
         _wait_for_step(proc, wd, _last_step(wd) + 2)
         proc.send_signal(signal.SIGTERM)
         out["b_rc"] = proc.wait(120)
-    out["b_log"], out["b_last"], out["b_steps"] = (root / "b.log").read_text(), _last_step(wd), Checkpoints(wd, None).steps()
+    out["b_log"], out["b_last"], out["b_steps"] = (root / "b.log").read_text(), _last_step(wd), Checkpoints(wd).steps()
     # C. Kill right after the first save past the resume point (the save is in flight).
     proc = _spawn(wd, cache, subprocess.PIPE)
     for line in proc.stdout:
@@ -169,7 +169,7 @@ def interrupted(tmp_path_factory):
             break
     out["c_rc"] = proc.wait(60)
     out["c_tmp"] = sorted(p.name for p in (wd / "checkpoints").glob("*orbax-checkpoint-tmp*"))
-    out["c_steps"] = Checkpoints(wd, None).steps()
+    out["c_steps"] = Checkpoints(wd).steps()
     return {"wd": wd, **out}
 
 
@@ -223,7 +223,7 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(reference, tmp_path
     assert (moved / victim.relative_to(wd / "checkpoints" / str(STEPS))).read_bytes() == damaged  # kept
     after = _snapshot(wd)
     assert all(after.get(k) == v for k, v in before.items())  # every other file untouched
-    assert Checkpoints(wd, None).steps() == [STEPS - 2 * EVERY, STEPS - EVERY]
+    assert Checkpoints(wd).steps() == [STEPS - 2 * EVERY, STEPS - EVERY]
     gc.collect()  # here, under this test's filter, not in whichever test runs next
 
 
@@ -283,7 +283,7 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, capsys):
     assert f"last good checkpoint is step 2 in {wd.absolute() / 'checkpoints'}" in err
     records = _records(wd)
     assert [records[s]["skipped_steps"] for s in (1, 2, 3, 4, 5)] == [0, 0, 1, 2, 3]
-    assert max(records) == 5 and Checkpoints(wd, None).steps() == [1, 2]
+    assert max(records) == 5 and Checkpoints(wd).steps() == [1, 2]
 
 
 # ----------------------------------------------------------------------------------------------

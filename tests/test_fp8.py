@@ -237,6 +237,26 @@ def test_microbatch_amaxes_combine_by_max():
     assert float(summed["input_amax_history"][0]) == 111.0
 
 
+class _TwoDots(nn.Module):
+    @nn.compact
+    def __call__(self, x, w, both: bool):
+        a, b = _op(4), _op(4)
+        y = a(x, w, DOT_2D, preferred_element_type=jnp.float32)
+        return y + b(x, w, DOT_2D, preferred_element_type=jnp.float32) if both else y
+
+
+def test_a_dot_unused_in_a_step_keeps_its_state():
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 4))
+    model = _TwoDots()
+    state = model.init(jax.random.key(0), x, w, True)[FP8_COLLECTION]
+    state = jax.tree.map(lambda v: v + 0.5, state)  # a non-initial state
+    new = jax.grad(lambda st: jnp.sum(model.apply(fp8_variables(st), x, w, False)))(state)
+    nxt = overwrite(state, new)
+    for k, v in nxt["Fp8DotGeneral_1"].items():  # autodiff gave it zeros; it keeps what it had
+        np.testing.assert_array_equal(v, state["Fp8DotGeneral_1"][k], err_msg=k)
+    assert float(nxt["Fp8DotGeneral_0"]["input_amax_history"][0]) == 1.0  # the used one moved on
+
+
 class _ScanLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, x):

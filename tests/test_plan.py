@@ -1,0 +1,120 @@
+"""`parallax plan` and `parallax audit` through the CLI: a 16,384-device search in seconds, the
+layouts it returns, the published runs it is checked against, and bad input (one line, exit 2)."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from parallax.plan import DEVICES, PUBLISHED, USABLE_MEMORY, cap_batch, compare_published
+from parallax.train import main
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "experiments" / "quickstart.py")
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
+        "train.seq_len=16", "train.global_batch=8"]
+
+
+def _sets(overrides):
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def _plan_json(capsys, *argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_16384_device_search_is_fast_and_ranked(capsys):
+    started = time.perf_counter()
+    out = _plan_json(capsys, "--preset", "dense-1t", "--devices", "16384", "--device", "a100", "--top", "10")
+    elapsed = time.perf_counter() - started
+    assert elapsed < 10, elapsed
+    layouts = out["layouts"]
+    assert layouts and out["searched"] > 1000
+    usable = DEVICES["a100-80gb"].hbm_bytes * USABLE_MEMORY / 2**30
+    for r in layouts:
+        for key in ("data", "tensor", "pipe", "expert", "zero", "microbatches", "schedule", "remat",
+                    "memory_gib", "step_time_s", "mfu"):
+            assert key in r, key
+        assert r["data"] * r["tensor"] * r["pipe"] * r["expert"] == 16384
+        assert 0 < r["mfu"] < 1 and r["memory_gib"] <= usable
+    assert [r["mfu"] for r in layouts] == sorted((r["mfu"] for r in layouts), reverse=True)
+
+
+def test_plan_reads_an_experiment_with_overrides(capsys):
+    out = _plan_json(capsys, QUICKSTART, *_sets(["model.n_layers=8", "train.global_batch=64"]),
+                     "--devices", "64", "--device", "h100")
+    for r in out["layouts"]:
+        assert 4 % r["tensor"] == 0 and 2 % r["tensor"] == 0 and 8 % r["pipe"] == 0  # n_heads, kv heads, layers
+        assert 64 % (r["data"] * r["microbatches"]) == 0
+    assert main(["plan", QUICKSTART, "--devices", "8", "--device", "tpu-v5e"]) == 0
+    text = capsys.readouterr().out
+    assert "tensor=" in text and "data=" in text and "predicted MFU" in text  # the explanation paragraph
+
+
+def test_noise_scale_caps_the_batch(capsys):
+    assert cap_batch(512, 300) == (512, None)
+    batch, message = cap_batch(1536, 256)
+    assert batch == 384 and "6.0x the gradient noise scale" in message
+    out = _plan_json(capsys, "--preset", "gpt3-175b", "--devices", "1024", "--device", "h100", "--noise-scale", "256")
+    assert any("wasted data parallelism" in n for n in out["notes"])
+    assert all(384 % r["data"] == 0 for r in out["layouts"])
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--preset", "gpt3-175b", "--devices", "1024", "--device", "z80"], ["--device 'z80'", "unknown device type"]),
+    ([QUICKSTART, "--devices", "7", "--device", "h100"], ["--devices 7", "factorization", "n_layers=4"]),
+    (["--preset", "gpt3-175b", "--devices", "8", "--device", "h100"], ["fits", "smallest device count that fits is"]),
+    (["--preset", "mixtral-8x7b", "--devices", "64", "--device", "h100"], ["MoE is not built"]),
+    (["--preset", "gpt5", "--devices", "64", "--device", "h100"], ["unknown preset"]),
+    ([QUICKSTART, "--preset", "gpt3-175b", "--devices", "64", "--device", "h100"], ["not both"]),
+    ([QUICKSTART, "--devices", "8", "--device", "h100", "--noise-scale", "-1"], ["--noise-scale"]),
+    ([QUICKSTART, "--devices", "8", "--device", "h100", "--set", "model.n_heads=3"], ["model"]),
+])
+def test_plan_bad_input_is_one_line_and_exit_2(capsys, argv, needles):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("parallax: error: ") and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+# Published runs (BUILD_NOTES.md, "Planner"): the chosen layout fits and its MFU is within 10 points.
+GAP = 0.10
+LLAMA3_GAP = ("parallax today cannot get near Llama 3's 38-43%: its 126 layers do not divide into 16 equal stages, "
+              "ZeRO-3 gathers float32 master weights (twice the bytes of bfloat16), a plain 1F1B at 16 sequences "
+              "per replica has a ~48% bubble (no interleaving), so the planner's best is ~21%")
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(r.name, marks=pytest.mark.xfail(strict=True, reason=LLAMA3_GAP)) if r.preset == "llama3-405b"
+    else r.name for r in PUBLISHED])
+def test_published_runs(name):
+    run = next(r for r in PUBLISHED if r.name == name)
+    c = compare_published(run)
+    chosen = c["chosen"]
+    assert chosen is not None and chosen["memory_gib"] <= c["usable_gib"]
+    lo, hi = run.mfu
+    assert lo - GAP <= chosen["mfu"] <= hi + GAP, (name, chosen)
+
+
+def test_audit_cli_compiles_and_explains_every_collective(capsys):
+    assert main(["audit", QUICKSTART, *_sets(TINY + ["parallel.zero=1"]), "--json"]) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert a["mesh"] == {"data": 4, "tensor": 2, "pipe": 1, "expert": 1}
+    assert all(r["explained"] for r in a["collectives"])
+    assert {"data", "tensor"} <= set(a["axes"])
+    assert all(abs(f["error"]) <= 0.05 for f in a["axes"].values())
+    assert a["memory"]["xla"] is None or abs(a["memory"]["error"]) <= 0.15
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["mesh.tensor=3"], "mesh"),
+    (["model.n_heads=3"], "model.d_model"),
+])
+def test_audit_bad_input_is_one_line_and_exit_2(capsys, overrides, needle):
+    assert main(["audit", QUICKSTART, *_sets(TINY + overrides)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("parallax: error: ") and needle in lines[0], lines
