@@ -409,6 +409,10 @@ def format_report(a: dict, title: str) -> str:
                      f"   {r['model_executions']:>7.0f} {_mib(r['model_bytes']):>14}  {err:>7}{flag}{cond}")
         if r["model"]:
             lines.append(f"      model: {'; '.join(r['model'])}")
+        elif r["bytes"] <= SCALAR_BYTES:
+            lines.append("      loss and norm scalars (not modelled)")
+        elif r["explained"]:
+            lines.append("      part of a reduction XLA split over another group (counted in the axis total below)")
     if not a["collectives"]:
         lines.append("  none (single device)")
     lines.append("per mesh axis (all kinds and groups that serve it):")

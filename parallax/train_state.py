@@ -18,7 +18,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallax.config import Config
+from parallax.config import Config, ConfigError
 from parallax.fp8 import FP8_COLLECTION, transformer_dot_generals
 from parallax.mesh import PIPE
 from parallax.model import Transformer, cross_entropy
@@ -88,6 +88,9 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None 
     rules = DEFAULT_RULES
     stages = mesh.shape[PIPE]
     schedule = make_schedule(cfg.parallel, stages) if is_pipelined(cfg.parallel, stages) else None
+    if schedule is not None and cfg.model.dtype == "bfloat16" and mesh.devices.flat[0].platform == "cpu":
+        # XLA:CPU (jaxlib 0.10.2) aborts the process compiling a pipelined bf16 step: refuse first.
+        raise ConfigError("model.dtype='bfloat16' with a pipelined layout crashes XLA:CPU; use float32 on CPU")
     logical_specs = nn.get_partition_spec(jax.eval_shape(lambda r: _init_boxed(model, cfg, r), jax.random.key(0)))
     param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
     value_and_grad = None

@@ -192,3 +192,14 @@ def test_bad_pipeline_config_names_the_field(layers, mesh, parallel, field):
     cfg = dataclasses.replace(BASE, mesh=mesh, parallel=parallel, model=dataclasses.replace(MODEL, n_layers=layers))
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         validate(cfg, dataclasses.asdict(mesh))
+
+
+def test_bf16_pipeline_is_refused_on_cpu():
+    # XLA:CPU (jaxlib 0.10.2) aborts the whole process compiling a pipelined bf16 step (exit 134,
+    # reproduced 2026-11-29); a clear refusal beats a crash.
+    cfg = dataclasses.replace(
+        BASE, mesh=MeshConfig(data=2, tensor=2, pipe=2), parallel=ParallelConfig(microbatches=2),
+        model=dataclasses.replace(MODEL, dtype="bfloat16"),
+    )
+    with pytest.raises(ConfigError, match="bfloat16"):
+        make_layout(cfg, make_mesh(cfg.mesh))
