@@ -291,13 +291,14 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------
 # Restore onto other meshes: each array lands directly in the new layout's sharding
 
-RESHARD_MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=64, vocab_size=256)
+RESHARD_MODEL = ModelConfig(d_model=32, n_layers=4, n_heads=2, n_kv_heads=2, d_ff=64, vocab_size=256)
 SOURCE = (MeshConfig(data=2, tensor=2, pipe=2), ParallelConfig(zero=1, microbatches=2))
 TARGETS = {
     "data4_tensor2_zero3": (MeshConfig(data=4, tensor=2), ParallelConfig(zero=3)),
     "data8": (MeshConfig(data=8), ParallelConfig()),
     "one_device": (MeshConfig(data=1), ParallelConfig()),
     "data4_pipe2": (MeshConfig(data=4, pipe=2), ParallelConfig(microbatches=2)),
+    "data2_pipe4": (MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=4)),  # pipe 2 -> 4
 }
 
 
