@@ -31,7 +31,6 @@ On a GPU (one device, a data=1 mesh):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import statistics
@@ -43,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from parallax.config import Config, Fp8Config, MeshConfig, ModelConfig, OptimConfig, TrainConfig
-from parallax.fp8 import E4M3, FP8_COLLECTION, Fp8DotGeneral
+from parallax.fp8 import FP8_COLLECTION, Fp8DotGeneral
 from parallax.mesh import available_devices, make_mesh
 from parallax.metrics import mfu, peak_flops
 from parallax.model import count_params, flops_per_token

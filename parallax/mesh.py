@@ -8,8 +8,6 @@ caller of `jax.devices()`.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
@@ -51,15 +49,7 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> jax.s
     return jax.sharding.Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
 
-def mesh_sizes(mesh: jax.sharding.Mesh) -> dict[str, int]:
-    return dict(mesh.shape)
-
-
 def describe(mesh: jax.sharding.Mesh) -> str:
     """One line: 'data=4 x tensor=2 x pipe=1 x expert=1 (8 cpu devices)'."""
     shape = " x ".join(f"{a}={mesh.shape[a]}" for a in AXES)
     return f"{shape} ({mesh.devices.size} {mesh.devices.flat[0].platform} devices)"
-
-
-def single_device_config() -> MeshConfig:
-    return dataclasses.replace(MeshConfig(), data=1)

@@ -7,8 +7,6 @@ the next layer's backward). No weight all-gathers unless ZeRO; ZeRO-1 all-gather
 parameters once, outside the layer loops; ZeRO-3 all-gathers each layer's weights inside the loop.
 """
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest

@@ -23,7 +23,7 @@ from flax.linen import fp8_ops
 from jax.sharding import PartitionSpec as P
 
 from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, validate
-from parallax.fp8 import E4M3, E5M2, FP8_COLLECTION, Fp8DotGeneral, combine, fp8_metrics, fp8_variables, overwrite
+from parallax.fp8 import FP8_COLLECTION, Fp8DotGeneral, combine, fp8_metrics, fp8_variables, overwrite
 from parallax.mesh import available_devices, make_mesh
 from parallax.train import main
 from parallax.train_state import init_state, make_layout
