@@ -43,7 +43,8 @@ FORMAT = 1
 # what this list does not name (FP8 history length, optimizer chain changes).
 STRUCTURAL = (
     "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.d_ff",
-    "model.vocab_size", "model.tie_embeddings",
+    "model.vocab_size", "model.tie_embeddings", "model.moe.num_experts", "model.moe.every",
+    "model.moe.d_ff", "model.moe.shared_experts",
 )
 # The seed fixes the data order and the initialisation: resuming under another seed would
 # silently train on a different stream than the checkpoint's run.

@@ -38,6 +38,22 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-Experts FFN (parallax/moe.py) in every `every`-th block; num_experts=0 is dense."""
+
+    num_experts: int = 0  # E
+    top_k: int = 2  # experts per token
+    every: int = 1  # block i is MoE when (i + 1) % every == 0 (the last block of each group)
+    d_ff: int = 0  # hidden size of each expert (and shared expert); 0 means model.d_ff
+    capacity_factor: float = 1.25  # slots per expert = ceil(cf * T * k / E) per sequence; <= 0 dropless
+    renormalize: bool = True  # the k chosen gates of a token sum to 1
+    aux_loss_weight: float = 0.01  # Switch/GShard load-balancing loss, mean over MoE layers
+    z_loss_weight: float = 0.001  # router z-loss (ST-MoE), mean over MoE layers
+    shared_experts: int = 0  # always-on SwiGLU experts beside the routed ones (DeepSeek-style)
+    dispatch: str = "capacity"  # capacity (all_to_all, runs everywhere) | ragged (GPU/TPU, dropless)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     d_model: int = 128
     n_layers: int = 4
@@ -50,6 +66,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass(frozen=True)
@@ -152,38 +169,51 @@ def _coerce(key: str, raw: str, expected: typing.Any) -> typing.Any:
     raise ConfigError(f"{key}: expected {expected.__name__}, got {raw!r}")
 
 
+def _replace_path(obj: typing.Any, path: list[str], key: str, raw: str) -> typing.Any:
+    """`obj` with the field at `path` (nested dataclasses, e.g. model.moe.top_k) set from `raw`."""
+    fields = _field_types(type(obj))
+    name, rest = path[0], path[1:]
+    prefix = key[: len(key) - len(".".join(path))].rstrip(".")
+    if name not in fields:
+        where = f"fields of {prefix}" if prefix else "sections"
+        raise ConfigError(f"unknown config key {key!r} ({where}: {', '.join(fields)})")
+    sub_type = fields[name]
+    if dataclasses.is_dataclass(sub_type):
+        if not rest:
+            raise ConfigError(f"unknown config key {key!r}: a section; set one of its fields, e.g. "
+                              f"{key}.{next(iter(_field_types(sub_type)))}=...")
+        return dataclasses.replace(obj, **{name: _replace_path(getattr(obj, name), rest, key, raw)})
+    if rest:
+        raise ConfigError(f"unknown config key {key!r} ({'.'.join(path[:1])} is not a section)")
+    return dataclasses.replace(obj, **{name: _coerce(key, raw.strip(), sub_type)})
+
+
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """Apply `section.field=value` strings; unknown keys and wrong types raise ConfigError."""
+    """Apply `section.field=value` (or `model.moe.field=value`) strings; unknown keys and wrong
+    types raise ConfigError."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.steps=10")
-        section, _, name = key.partition(".")
-        top = _field_types(Config)
-        if key == "name":
-            cfg = dataclasses.replace(cfg, name=_coerce(key, raw.strip(), str))
-            continue
-        if section not in top or not dataclasses.is_dataclass(top[section]):
-            raise ConfigError(f"unknown config key {key!r} (sections: {', '.join(top)})")
-        sub_cls = top[section]
-        fields = _field_types(sub_cls)
-        if name not in fields:
-            raise ConfigError(f"unknown config key {key!r} (fields of {section}: {', '.join(fields)})")
-        value = _coerce(key, raw.strip(), fields[name])
-        sub = dataclasses.replace(getattr(cfg, section), **{name: value})
-        cfg = dataclasses.replace(cfg, **{section: sub})
+        cfg = _replace_path(cfg, key.split("."), key, raw)
     return cfg
 
 
-def flatten(cfg: Config) -> dict[str, typing.Any]:
-    """`{'mesh.data': -1, ...}`: the config as flat keys, e.g. for logging."""
-    out: dict[str, typing.Any] = {"name": cfg.name}
-    for f in dataclasses.fields(cfg):
-        sub = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(sub):
-            out.update({f"{f.name}.{k}": v for k, v in dataclasses.asdict(sub).items()})
+def _flat_fields(obj: typing.Any, prefix: str) -> dict[str, typing.Any]:
+    out: dict[str, typing.Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_flat_fields(value, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = value
     return out
+
+
+def flatten(cfg: Config) -> dict[str, typing.Any]:
+    """`{'name': ..., 'mesh.data': -1, 'model.moe.top_k': 2, ...}`: the config as flat keys."""
+    return _flat_fields(cfg, "")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,9 +277,8 @@ def validate(cfg: Config, sizes: dict[str, int]) -> None:
         )
     if cfg.parallel.remat not in ("none", "full", "dots"):
         raise ConfigError(f"parallel.remat: must be 'none', 'full' or 'dots', got {cfg.parallel.remat!r}")
+    _validate_moe(cfg, sizes)
     _validate_pipeline(cfg, sizes)
-    if sizes["expert"] != 1:
-        raise ConfigError("mesh.expert: expert parallelism needs MoE layers, not built yet; use mesh.expert=1")
     for name in ("steps", "global_batch", "seq_len", "log_every", "eval_batches"):
         if getattr(tr, name) <= 0:
             raise ConfigError(f"train.{name}: must be positive, got {getattr(tr, name)}")
@@ -305,6 +334,57 @@ def _validate_fp8(cfg: Config, sizes: dict[str, int]) -> None:
         )
 
 
+MOE_DISPATCH = ("capacity", "ragged")
+
+
+def expert_d_ff(m: ModelConfig) -> int:
+    return m.moe.d_ff or m.d_ff
+
+
+def stack_length(m: ModelConfig) -> int:
+    """Length of the scanned block stack: one entry per block, or per group of `moe.every`
+    blocks (the last one MoE) when `every` > 1."""
+    return m.n_layers // m.moe.every if m.moe.num_experts and m.moe.every > 1 else m.n_layers
+
+
+def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
+    e, m = cfg.model.moe, cfg.model
+    if e.num_experts < 0:
+        raise ConfigError(f"model.moe.num_experts: must be >= 0 (0 is a dense model), got {e.num_experts}")
+    if not e.num_experts:
+        if sizes["expert"] != 1:
+            raise ConfigError(
+                f"mesh.expert={sizes['expert']} needs MoE layers: set model.moe.num_experts (a multiple of "
+                f"mesh.expert), or use mesh.expert=1"
+            )
+        return
+    if not 1 <= e.top_k <= e.num_experts:
+        raise ConfigError(f"model.moe.top_k={e.top_k} must be in 1..model.moe.num_experts={e.num_experts}")
+    if e.every < 1 or m.n_layers % e.every:
+        raise ConfigError(f"model.moe.every={e.every} must be >= 1 and divide model.n_layers={m.n_layers}")
+    if e.num_experts % sizes["expert"]:
+        raise ConfigError(f"model.moe.num_experts={e.num_experts} must be divisible by mesh.expert={sizes['expert']}")
+    if e.d_ff < 0 or expert_d_ff(m) % sizes["tensor"]:
+        raise ConfigError(f"model.moe.d_ff={e.d_ff} must be >= 0 (0: model.d_ff) with an expert hidden size "
+                          f"divisible by mesh.tensor={sizes['tensor']}")
+    if e.shared_experts < 0:
+        raise ConfigError(f"model.moe.shared_experts: must be >= 0, got {e.shared_experts}")
+    for name in ("aux_loss_weight", "z_loss_weight"):
+        if not (getattr(e, name) >= 0 and math.isfinite(getattr(e, name))):
+            raise ConfigError(f"model.moe.{name}: must be a finite number >= 0, got {getattr(e, name)}")
+    if not math.isfinite(e.capacity_factor):
+        raise ConfigError(f"model.moe.capacity_factor: must be finite (<= 0 means dropless), got {e.capacity_factor}")
+    if e.dispatch not in MOE_DISPATCH:
+        raise ConfigError(f"model.moe.dispatch: must be one of {MOE_DISPATCH}, got {e.dispatch!r}")
+    if sizes["pipe"] > 1 or cfg.parallel.microbatches > 1:
+        raise ConfigError(
+            f"model.moe.num_experts: MoE layers are not supported with pipelining yet (mesh.pipe={sizes['pipe']}, "
+            f"parallel.microbatches={cfg.parallel.microbatches}); use mesh.pipe=1 and parallel.microbatches=1"
+        )
+    if e.dispatch == "ragged" and e.capacity_factor > 0:
+        raise ConfigError("model.moe.dispatch='ragged' is dropless: set model.moe.capacity_factor=0 (or <= 0)")
+
+
 def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
     par, p = cfg.parallel, sizes["pipe"]
     if par.schedule not in ("gpipe", "circular", "1f1b"):
@@ -320,10 +400,12 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"parallel.microbatches={par.microbatches} must be >= mesh.pipe={p}")
     if par.schedule == "circular" and par.microbatches % p:
         raise ConfigError(f"parallel.microbatches={par.microbatches} must be a multiple of mesh.pipe={p} (circular)")
-    if cfg.model.n_layers % (p * par.repeats):
-        raise ConfigError(
-            f"model.n_layers={cfg.model.n_layers} must be divisible by mesh.pipe x parallel.repeats = {p} x {par.repeats}"
-        )
+    units = stack_length(cfg.model)
+    if units % (p * par.repeats):
+        what = f"model.n_layers={cfg.model.n_layers}"
+        if units != cfg.model.n_layers:
+            what = f"model.n_layers / model.moe.every = {units}"
+        raise ConfigError(f"{what} must be divisible by mesh.pipe x parallel.repeats = {p} x {par.repeats}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,18 +440,19 @@ def load_experiment(path: str | Path) -> Config:
 
 def check_types(cfg: Config) -> None:
     """Every field holds its declared type (experiment files bypass the override parser)."""
-    if not isinstance(cfg.name, str):
-        raise ConfigError(f"name: expected str, got {cfg.name!r}")
-    for section, sub_cls in _field_types(Config).items():
-        if not dataclasses.is_dataclass(sub_cls):
+    _check_fields(cfg, "")
+
+
+def _check_fields(obj: typing.Any, prefix: str) -> None:
+    for name, expected in _field_types(type(obj)).items():
+        value, key = getattr(obj, name), f"{prefix}{name}"
+        if dataclasses.is_dataclass(expected):
+            if not isinstance(value, expected):
+                raise ConfigError(f"{key}: expected {expected.__name__}, got {type(value).__name__}")
+            _check_fields(value, key + ".")
             continue
-        sub = getattr(cfg, section)
-        if not isinstance(sub, sub_cls):
-            raise ConfigError(f"{section}: expected {sub_cls.__name__}, got {type(sub).__name__}")
-        for name, expected in _field_types(sub_cls).items():
-            value = getattr(sub, name)
-            ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                ok = True
-            if not ok:
-                raise ConfigError(f"{section}.{name}: expected {expected.__name__}, got {value!r}")
+        ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ConfigError(f"{key}: expected {expected.__name__}, got {value!r}")

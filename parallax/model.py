@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from parallax.attention import Attention
-from parallax.config import ModelConfig
+from parallax.config import ModelConfig, expert_d_ff, stack_length
+from parallax.expert_parallel import EXPERT_EXCHANGE
 from parallax.fp8 import FP8_COLLECTION
 from parallax.layers import MLP, Dense, DotGeneralFactory, Embed, RMSNorm
+from parallax.moe import MoE
 from parallax.sharding import PARAM_COMPUTE, constrain, params_pinned
 
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
@@ -40,12 +42,19 @@ def remat_policy(name: str) -> Callable | None:
     return REMAT_POLICIES[name]
 
 
+Stats = dict[str, jax.Array]  # per-layer MoE routing scalars ({} for a dense block)
+
+
 class Block(nn.Module):
+    """Attention then FFN, pre-norm residual. `moe`: the FFN is the MoE layer (None: every block
+    is MoE when moe.every == 1 and the model has experts)."""
+
     cfg: ModelConfig
     dot_general: DotGeneralFactory = None
+    moe: bool | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Stats]:
         c = self.cfg
         dtype = jnp.dtype(c.dtype)
         out_std = c.init_std / math.sqrt(2 * c.n_layers)  # GPT-2 style residual-branch scaling
@@ -56,8 +65,32 @@ class Block(nn.Module):
         )(h)
         x = constrain(x, RESIDUAL)
         h = RMSNorm(c.norm_eps, dtype, name="mlp_norm")(x)
-        x = x + MLP(c.d_ff, c.init_std, out_std, dtype, self.dot_general, name="mlp")(h)
-        return constrain(x, RESIDUAL), None
+        moe = self.moe if self.moe is not None else bool(c.moe.num_experts) and c.moe.every == 1
+        stats: Stats = {}
+        if moe:
+            y, stats = MoE(c.moe, expert_d_ff(c), c.init_std, out_std, dtype, self.dot_general, EXPERT_EXCHANGE,
+                           name="moe")(h)
+        else:
+            y = MLP(c.d_ff, c.init_std, out_std, dtype, self.dot_general, name="mlp")(h)
+        return constrain(x + y, RESIDUAL), stats
+
+
+class BlockGroup(nn.Module):
+    """`moe.every` blocks, the last one MoE: the unit the stack scans over when every > 1."""
+
+    cfg: ModelConfig
+    dot_general: DotGeneralFactory = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Stats]:
+        for i in range(self.cfg.moe.every - 1):
+            x, _ = Block(self.cfg, self.dot_general, moe=False, name=f"dense_{i}")(x)
+        return Block(self.cfg, self.dot_general, moe=True, name="moe_block")(x)
+
+
+def stack_unit(c: ModelConfig) -> type[nn.Module]:
+    """The module the block stack scans over (`stack_length(c)` times)."""
+    return BlockGroup if c.moe.num_experts and c.moe.every > 1 else Block
 
 
 class Transformer(nn.Module):
@@ -72,15 +105,15 @@ class Transformer(nn.Module):
         c = self.cfg
         dtype = jnp.dtype(c.dtype)
         self.embed = Embed(c.vocab_size, c.d_model, c.init_std, dtype, self.logits_dot_general)
-        block = Block
+        block = stack_unit(c)
         policy = remat_policy(self.remat)
         if policy is not None:
-            block = nn.remat(Block, policy=policy, prevent_cse=False)
+            block = nn.remat(block, policy=policy, prevent_cse=False)
         self.layers = nn.scan(
             block,
             variable_axes={"params": 0, FP8_COLLECTION: 0},  # FP8 scales/histories: one per layer
             split_rngs={"params": True},
-            length=c.n_layers,
+            length=stack_length(c),
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(c, self.dot_general)
         self.final_norm = RMSNorm(c.norm_eps, dtype)
@@ -91,8 +124,9 @@ class Transformer(nn.Module):
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return constrain(self.embed(tokens), RESIDUAL)  # [B, T] -> [B, T, D]
 
-    def run_blocks(self, x: jax.Array) -> jax.Array:
-        return self.layers(x, None)[0]  # [B, T, D], scanned over the L layers
+    def run_blocks(self, x: jax.Array) -> tuple[jax.Array, Stats]:
+        """[B, T, D] through the scanned stack; stats stacked per MoE layer ([L_moe] each)."""
+        return self.layers(x, None)
 
     def head(self, x: jax.Array) -> jax.Array:
         x = self.final_norm(x)
@@ -100,9 +134,22 @@ class Transformer(nn.Module):
         logits = constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
         return logits.astype(jnp.float32)  # [B, T, V]
 
+    def forward(self, tokens: jax.Array) -> tuple[jax.Array, Stats]:
+        """[B, T] int token ids -> ([B, T, V] float32 logits, MoE stats per layer)."""
+        x, stats = self.run_blocks(self.embed_tokens(tokens))
+        return self.head(x), stats
+
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """[B, T] int token ids -> [B, T, V] float32 logits."""
-        return self.head(self.run_blocks(self.embed_tokens(tokens)))
+        return self.forward(tokens)[0]
+
+
+def moe_loss(stats: Stats, c: ModelConfig) -> jax.Array:
+    """The routers' losses added to the training loss: each weight times its mean over MoE layers
+    (a mean, so that one weight means the same at any depth); 0 for a dense model."""
+    if not stats:
+        return jnp.zeros((), jnp.float32)
+    return c.moe.aux_loss_weight * jnp.mean(stats["aux_loss"]) + c.moe.z_loss_weight * jnp.mean(stats["z_loss"])
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -119,11 +166,11 @@ def count_params(c: ModelConfig) -> dict[str, int]:
     """Parameter counts by part, from the config (matches the initialised tree exactly)."""
     h = c.d_model // c.n_heads
     attn = c.d_model * h * (2 * c.n_heads + 2 * c.n_kv_heads)  # q, out: N*H*D; k, v: K*H*D
-    mlp = 3 * c.d_model * c.d_ff
-    per_layer = attn + mlp + 2 * c.d_model  # + two norm scales
+    n_moe = moe_layers(c)
+    ffn = (c.n_layers - n_moe) * 3 * c.d_model * c.d_ff + n_moe * _moe_ffn_params(c, active=False)
     counts = {
         "embedding": c.vocab_size * c.d_model,
-        "layers": c.n_layers * per_layer,
+        "layers": c.n_layers * (attn + 2 * c.d_model) + ffn,  # + two norm scales per block
         "final_norm": c.d_model,
         "logits": 0 if c.tie_embeddings else c.d_model * c.vocab_size,
     }
@@ -131,15 +178,35 @@ def count_params(c: ModelConfig) -> dict[str, int]:
     return counts
 
 
+def moe_layers(c: ModelConfig) -> int:
+    return c.n_layers // c.moe.every if c.moe.num_experts else 0
+
+
+def _moe_ffn_params(c: ModelConfig, active: bool) -> int:
+    """One MoE FFN: router D*E, experts 3*D*F each (all E, or the k a token uses), shared experts."""
+    e = c.moe
+    experts = e.top_k if active else e.num_experts
+    return c.d_model * e.num_experts + (experts + e.shared_experts) * 3 * c.d_model * expert_d_ff(c)
+
+
+def active_params(c: ModelConfig) -> int:
+    """Parameters one token uses: all but the unchosen experts (MoE FLOPs count only these)."""
+    n_moe = moe_layers(c)
+    return count_params(c)["total"] - n_moe * (_moe_ffn_params(c, active=False) - _moe_ffn_params(c, active=True))
+
+
 def flops_per_token(c: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 * N_matmul + causal attention.
 
     N_matmul counts every weight that enters a matmul: the block projections and the output
     projection (the input embedding lookup is a gather in FLOP terms and is not counted, tied or
-    not). Attention scores and values cost 12 * L * N * H * T per token for full attention (PaLM);
+    not). In an MoE layer only the activated weights count: the router, the top-k experts and the
+    shared experts (dispatch and combine are gathers; padding slots are not counted). Attention scores and values cost 12 * L * N * H * T per token for full attention (PaLM);
     we count the causal half, 6 * L * N * H * T, as MaxText and torchtitan do.
     """
     h = c.d_model // c.n_heads
     attn = c.d_model * h * (2 * c.n_heads + 2 * c.n_kv_heads)
-    n_matmul = c.n_layers * (attn + 3 * c.d_model * c.d_ff) + c.d_model * c.vocab_size
+    n_moe = moe_layers(c)
+    ffn = (c.n_layers - n_moe) * 3 * c.d_model * c.d_ff + n_moe * _moe_ffn_params(c, active=True)
+    n_matmul = c.n_layers * attn + ffn + c.d_model * c.vocab_size
     return 6.0 * n_matmul + 6.0 * c.n_layers * c.n_heads * h * seq_len

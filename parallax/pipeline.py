@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from parallax.config import ParallelConfig
 from parallax.mesh import PIPE
-from parallax.model import Block, Transformer, remat_policy
+from parallax.model import Transformer, remat_policy, stack_unit
 from parallax.sharding import BATCH_AXES, keep_axes
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
@@ -125,7 +125,7 @@ def stage_specs(layer_specs: Any) -> Any:
 
 def _stage_fn(model: Transformer) -> Callable[[Any, jax.Array], jax.Array]:
     """(chunk params [Lc, ...], x [b, T, D]) -> x: the chunk's layers in order."""
-    block = Block(model.cfg, model.dot_general)
+    block = stack_unit(model.cfg)(model.cfg, model.dot_general)
 
     def layer(x: jax.Array, params: Any) -> tuple[jax.Array, None]:
         return block.apply({"params": params}, x)[0], None
@@ -219,12 +219,12 @@ def run_pipeline(
 def make_pipelined_apply(
     model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh, layer_specs: Any
 ) -> Callable[[Any, jax.Array], jax.Array]:
-    """(params with stage-layout 'layers', tokens [B, T]) -> logits [B, T, V]."""
+    """(params with stage-layout 'layers', tokens [B, T]) -> (logits [B, T, V], {})."""
 
-    def apply(params: Any, tokens: jax.Array) -> jax.Array:
+    def apply(params: Any, tokens: jax.Array) -> tuple[jax.Array, dict]:
         outer = {k: v for k, v in params.items() if k != "layers"}
         x = model.apply({"params": outer}, tokens, method=Transformer.embed_tokens)
         x = run_pipeline(model, schedule, mesh, params["layers"], layer_specs, x)
-        return model.apply({"params": outer}, x, method=Transformer.head)
+        return model.apply({"params": outer}, x, method=Transformer.head), {}
 
     return apply

@@ -42,6 +42,9 @@ DEFAULT_RULES: Rules = (
     ("activation_kv", None),
     ("activation_mlp", TENSOR),
     ("activation_vocab", TENSOR),
+    # MoE slots after the all-to-all (expert_parallel.py): experts over `expert`, batch over `data`
+    ("activation_expert", EXPERT),
+    ("activation_batch_no_expert", DATA),
     # parameters (Megatron column/row split on heads, mlp and vocab)
     ("embed", None),
     ("vocab", TENSOR),
@@ -54,7 +57,7 @@ DEFAULT_RULES: Rules = (
     ("layers", None),  # the scanned block stack
     ("stage", PIPE),  # pipeline stages (pipeline.py)
     ("repeat", None),  # circular schedule: chunks per stage
-    ("expert", EXPERT),  # MoE experts (expert_parallel.py)
+    ("exp", EXPERT),  # MoE expert weights [E, ...] (moe.py, expert_parallel.py)
 )
 
 

@@ -49,7 +49,7 @@ class Layout:
     abstract_state: TrainState
     state_shardings: TrainState
     schedule: Schedule | None  # the pipeline schedule; None when the stack is not pipelined
-    apply: Callable[[Any, jax.Array], jax.Array]  # (params, tokens [B, T]) -> logits [B, T, V]
+    apply: Callable[[Any, jax.Array], tuple[jax.Array, dict]]  # (params, tokens [B, T]) -> (logits [B, T, V], MoE stats)
     pin_params: bool = False  # stored sharded over data (ZeRO-3): gather where used (sharding.py)
     # (params, batch) -> (loss, grads) for schedules that compute their own gradients (1F1B).
     value_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]] | None = None
@@ -60,8 +60,14 @@ class Layout:
 
 
 
+def _init_tokens(cfg: Config) -> jax.Array:
+    # The whole global batch, so that every activation splits evenly over the batch axes (the MoE
+    # exchange requires it); the forward pass is dead code in the jitted init and is removed.
+    return jnp.zeros((cfg.train.global_batch, cfg.train.seq_len), jnp.int32)
+
+
 def _init_boxed(model: Transformer, cfg: Config, rng: jax.Array) -> Any:
-    tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
+    tokens = _init_tokens(cfg)
     return model.init(rng, tokens)["params"]
 
 
@@ -69,7 +75,7 @@ def _init_fp8(model: Transformer, cfg: Config, rng: jax.Array) -> Any:
     """The FP8 state (ones and zeros: no data dependence); {} when the model has no FP8 dots."""
     if model.dot_general is None and model.logits_dot_general is None:
         return {}  # plain matmuls: skip a second trace of init
-    tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
+    tokens = _init_tokens(cfg)
     return model.init(rng, tokens).get(FP8_COLLECTION, {})
 
 
@@ -102,7 +108,7 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None 
         if schedule.name == "1f1b":  # the forward-only `apply` (evaluation) runs it as GPipe
             value_and_grad = make_1f1b_value_and_grad(model, schedule, mesh, layer_specs, cross_entropy)
     else:
-        apply = lambda params, tokens: model.apply({"params": params}, tokens)  # noqa: E731
+        apply = lambda params, tokens: model.apply({"params": params}, tokens, method=Transformer.forward)  # noqa: E731
     params = jax.eval_shape(lambda r: _init_params(model, cfg, r, schedule), jax.random.key(0))
     opt_state = jax.eval_shape(tx.init, params)
     fp8 = jax.eval_shape(lambda r: _init_fp8(model, cfg, r), jax.random.key(0))

@@ -1,0 +1,191 @@
+"""Mixture-of-Experts FFN: top-k router, capacity slots, batched expert SwiGLU, balancing losses.
+
+y = sum over i in TopK(p(x)) of g_i(x) E_i(x), with p = softmax(x W_r) computed in float32 and g
+the chosen probabilities (renormalised to sum to 1 over the k choices when `renormalize`).
+
+Tokens are routed per sequence (a group is one row of the batch, S = T tokens): each expert has
+C = ceil(capacity_factor * S * k / E) slots per sequence, filled in order of router probability
+(highest first, ties in token order), and an assignment that finds its expert full is dropped: its
+token keeps only the residual (and the shared experts). capacity_factor <= 0 is dropless: C = S,
+the most one expert can receive from a sequence. Because groups are sequences, the layout never
+changes which tokens drop: every mesh computes the same function.
+
+Single-device math with logical names only. The one communication, moving each expert's slots
+to the device that holds the expert and back, is injected as `exchange` (expert_parallel.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from parallax.config import MoEConfig
+from parallax.layers import MLP, DotGeneralFactory, _dot_general
+from parallax.sharding import constrain, constrain_param
+
+SLOTS = ("activation_batch", None, None, "activation_embed")  # [G, E, C, D] before the exchange
+EXPERT_SLOTS = ("activation_batch_no_expert", "activation_expert", None, "activation_embed")  # after
+HIDDEN = ("activation_expert", "activation_batch_no_expert", None, "activation_mlp")  # [E, G, C, F]
+
+
+class Routing(NamedTuple):
+    probs: jax.Array  # [G, S, E] float32 router softmax
+    experts: jax.Array  # [G, S, k] int32, distinct per token, in order of probability
+    gates: jax.Array  # [G, S, k] float32 combine weights
+
+
+class Exchange(NamedTuple):
+    """Moves [G, E, C, D] slots to the devices holding their experts (`to_experts`) and back."""
+
+    to_experts: Callable[[jax.Array], jax.Array]
+    from_experts: Callable[[jax.Array], jax.Array]
+
+
+LOCAL = Exchange(lambda x: x, lambda x: x)  # every expert on every device: nothing moves
+
+
+def route(logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
+    """[G, S, E] router logits -> the top-k experts of each token and their gates."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    gates, experts = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return Routing(probs, experts.astype(jnp.int32), gates)
+
+
+def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Slots per expert per group; a token sends at most one assignment to any expert, so S
+    slots never drop anything (dropless)."""
+    if capacity_factor <= 0:
+        return tokens
+    return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts)))
+
+
+def _group_slots(experts: jax.Array, priority: jax.Array, num_experts: int) -> jax.Array:
+    """One group: [S, k] experts and priorities -> [S, k] position of each assignment in its
+    expert's queue, the queue ordered by priority (highest first, ties in token order)."""
+    flat = experts.reshape(-1)  # [S*k]
+    order = jnp.argsort(-priority.reshape(-1), stable=True)
+    taken = jax.nn.one_hot(flat[order], num_experts, dtype=jnp.int32)  # [S*k, E] in queue order
+    position = jnp.take_along_axis(jnp.cumsum(taken, axis=0) - 1, flat[order][:, None], axis=1)[:, 0]
+    return jnp.zeros_like(flat).at[order].set(position).reshape(experts.shape)
+
+
+def assign_slots(routing: Routing, num_experts: int, capacity_: int) -> tuple[jax.Array, jax.Array]:
+    """(slot [G, S, k] int32, keep [G, S, k] bool): the slot each assignment takes in its expert's
+    buffer and whether it got one. Priority is the router probability of the choice."""
+    priority = jnp.take_along_axis(routing.probs, routing.experts, axis=-1)
+    slot = jax.vmap(_group_slots, in_axes=(0, 0, None))(routing.experts, priority, num_experts)
+    return slot, slot < capacity_
+
+
+def _flat_slot(experts: jax.Array, slot: jax.Array, keep: jax.Array, num_experts: int, capacity_: int) -> jax.Array:
+    """Index into a group's E*C slots, E*C (a spare row) for dropped assignments."""
+    return jnp.where(keep, experts * capacity_ + slot, num_experts * capacity_)
+
+
+def dispatch(x: jax.Array, routing: Routing, slot: jax.Array, keep: jax.Array, capacity_: int) -> jax.Array:
+    """[G, S, D] tokens -> [G, E, C, D] expert slots (empty slots are zeros). A gather, not a
+    one-hot einsum: its cost does not grow with S * E * C."""
+    g, s, d = x.shape
+    e = routing.probs.shape[-1]
+    flat = _flat_slot(routing.experts, slot, keep, e, capacity_)  # [G, S, k]
+    token = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[:, None], flat.shape[1:])
+
+    def one_group(x: jax.Array, flat: jax.Array) -> jax.Array:
+        # Which token fills each slot (S: none). Kept assignments hit distinct slots; the dropped
+        # ones all land on the spare row E*C, cut off below.
+        source = jnp.full((e * capacity_ + 1,), s, jnp.int32).at[flat.reshape(-1)].set(token.reshape(-1))
+        padded = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])  # [S + 1, D]
+        return padded[source[: e * capacity_]].reshape(e, capacity_, d)
+
+    return jax.vmap(one_group)(x, flat)
+
+
+def combine(y: jax.Array, routing: Routing, slot: jax.Array, keep: jax.Array) -> jax.Array:
+    """[G, E, C, D] expert outputs -> [G, S, D]: each token's kept assignments weighted by their
+    gates and summed (a dropped assignment contributes nothing)."""
+    g, e, c, d = y.shape
+    flat = _flat_slot(routing.experts, slot, keep, e, c)  # [G, S, k]
+
+    def one_group(y: jax.Array, flat: jax.Array) -> jax.Array:
+        padded = jnp.concatenate([y.reshape(e * c, d), jnp.zeros((1, d), y.dtype)])
+        return padded[flat]  # [S, k, D]
+
+    picked = jax.vmap(one_group)(y, flat)
+    weights = jnp.where(keep, routing.gates, 0.0).astype(y.dtype)
+    return jnp.einsum("gskd,gsk->gsd", picked, weights)
+
+
+def load_balancing_loss(routing: Routing) -> jax.Array:
+    """Switch/GShard: E * sum_i f_i P_i per group, averaged over groups. f_i is the fraction of the
+    group's k*S assignments routed to expert i (before drops), P_i its mean router probability;
+    1 under perfectly uniform routing, E when every token picks the same experts with certainty."""
+    e = routing.probs.shape[-1]
+    f = jnp.mean(jax.nn.one_hot(routing.experts, e, dtype=jnp.float32), axis=(1, 2))  # [G, E]
+    p = jnp.mean(routing.probs, axis=1)  # [G, E]
+    return jnp.mean(e * jnp.sum(f * p, axis=-1))
+
+
+def router_z_loss(logits: jax.Array) -> jax.Array:
+    """ST-MoE: mean over tokens of logsumexp(logits)^2; keeps router logits small (bf16-safe)."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
+
+
+def routing_stats(routing: Routing, keep: jax.Array, logits: jax.Array) -> dict[str, jax.Array]:
+    """Per-layer scalars for metrics.jsonl (load counts assignments before drops)."""
+    e = routing.probs.shape[-1]
+    load = jnp.sum(jax.nn.one_hot(routing.experts, e, dtype=jnp.float32), axis=(0, 1, 2))  # [E]
+    return {
+        "aux_loss": load_balancing_loss(routing),
+        "z_loss": router_z_loss(logits),
+        "dropped_fraction": 1.0 - jnp.mean(keep.astype(jnp.float32)),
+        "load_max_over_mean": jnp.max(load) / jnp.mean(load),
+    }
+
+
+class MoE(nn.Module):
+    """The MoE FFN on [B, T, D] (groups are sequences): returns (y [B, T, D], per-layer stats)."""
+
+    cfg: MoEConfig
+    d_ff: int  # each expert's hidden size F
+    init_std: float = 0.02
+    out_std: float = 0.02
+    dtype: Any = jnp.float32
+    dot_general: DotGeneralFactory = None  # the expert matmuls (FP8-capable); the router stays fp32
+    exchange: Exchange = LOCAL
+
+    def _kernel(self, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float) -> jax.Array:
+        w = self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), axes), shape, jnp.float32)
+        return constrain_param(w, axes)  # ZeRO-3: all-gathered here
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        c = self.cfg
+        b, t, d = x.shape
+        e, f = c.num_experts, self.d_ff
+        router = self._kernel("router", (d, e), ("embed", None), self.init_std)
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router)  # fp32 routing
+        routing = route(logits, c.top_k, c.renormalize)
+        cap = capacity(t, e, c.top_k, c.capacity_factor)
+        slot, keep = assign_slots(routing, e, cap)
+
+        slots = constrain(dispatch(x.astype(self.dtype), routing, slot, keep, cap), SLOTS)  # [B, E, C, D]
+        slots = constrain(self.exchange.to_experts(slots), EXPERT_SLOTS)
+        wi = self._kernel("wi", (e, d, 2, f), ("exp", "embed", None, "mlp"), self.init_std)
+        wo = self._kernel("wo", (e, f, d), ("exp", "mlp", "embed"), self.out_std)
+        # One batched matmul over the local experts: [B, E, C, D] x [E, D, 2, F] -> [E, B, C, 2, F].
+        # Two dot_general instances: each FP8 operand keeps its own scale and history.
+        gate_up = _dot_general(self.dot_general)(slots, wi.astype(self.dtype), (((3,), (1,)), ((1,), (0,))), preferred_element_type=self.dtype)
+        h = constrain(nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], HIDDEN)  # [E, B, C, F]
+        out = _dot_general(self.dot_general)(h, wo.astype(self.dtype), (((3,), (1,)), ((0,), (0,))), preferred_element_type=self.dtype)
+        out = constrain(out.transpose(1, 0, 2, 3), EXPERT_SLOTS)  # [E, B, C, D] -> [B, E, C, D]
+        out = constrain(self.exchange.from_experts(out), SLOTS)
+        y = combine(out, routing, slot, keep)  # [B, T, D]
+        if c.shared_experts:
+            y = y + MLP(c.shared_experts * f, self.init_std, self.out_std, self.dtype, self.dot_general, name="shared")(x)
+        return y.astype(self.dtype), routing_stats(routing, keep, logits)
