@@ -51,7 +51,16 @@ LOCAL = Exchange(lambda x: x, lambda x: x)  # every expert on every device: noth
 def route(logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
     """[G, S, E] router logits -> the top-k experts of each token and their gates."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    gates, experts = jax.lax.top_k(probs, top_k)
+    # k rounds of argmax, not lax.top_k: the partitioner all-gathers a batch-sharded top_k over
+    # every device (seen in the compiled HLO) but keeps a reduction over E local. Ties go to the
+    # lower expert index, as in top_k.
+    picked, remaining = [], probs
+    for _ in range(top_k):
+        best = jnp.argmax(remaining, axis=-1)
+        picked.append(best)
+        remaining = jnp.where(jax.nn.one_hot(best, probs.shape[-1], dtype=bool), -1.0, remaining)
+    experts = jnp.stack(picked, axis=-1)
+    gates = jnp.take_along_axis(probs, experts, axis=-1)
     if renormalize:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     return Routing(probs, experts.astype(jnp.int32), gates)

@@ -1,0 +1,222 @@
+"""Mixture-of-Experts: the router's invariants, exact drops, the layer against a dense reference,
+expert parallelism against one device, and the all-to-alls in the compiled step.
+
+Tolerances (BUILD_NOTES.md): fp32 throughout; layer vs dense reference rtol 1e-5; layouts vs one
+device as tests/test_equivalence.py (loss rtol 1e-6, gradients rtol 1e-4 of each leaf's max).
+"""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parallax.audit import FAST_COMPILE, collectives, compile_step
+from parallax.config import Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig, TrainConfig, apply_overrides
+from parallax.mesh import available_devices, make_mesh
+from parallax.model import Transformer, active_params, count_params, flops_per_token
+from parallax.moe import MoE, assign_slots, capacity, load_balancing_loss, route, router_z_loss
+from parallax.train_state import init_state, make_layout
+from parallax.train_step import batch_sharding, make_grad_fn
+
+LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-4, 1e-6
+LAYER_RTOL = 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# Router invariants (property tests over random shapes and seeds)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_router_invariants(seed):
+    rng = np.random.default_rng(seed)
+    g, s, e = rng.integers(1, 4), rng.integers(1, 17), rng.integers(2, 9)
+    k = int(rng.integers(1, e + 1))
+    logits = jnp.asarray(rng.normal(0, 3, (g, s, e)), jnp.float32)
+    r = route(logits, k, renormalize=True)
+    np.testing.assert_allclose(np.sum(r.gates, -1), 1.0, rtol=1e-6)  # gates sum to 1 over the k chosen
+    experts = np.asarray(r.experts)
+    assert all(len(set(row)) == k for row in experts.reshape(-1, k))  # k distinct experts per token
+    np.testing.assert_array_equal(experts, np.asarray(jax.lax.top_k(r.probs, k)[1]))  # the top-k, in order
+    raw = route(logits, k, renormalize=False)
+    np.testing.assert_allclose(raw.gates, np.take_along_axis(np.asarray(raw.probs), experts, -1), rtol=1e-6)
+    # z-loss = mean over tokens of logsumexp(logits)^2
+    lse = np.log(np.sum(np.exp(np.asarray(logits, np.float64)), -1))
+    np.testing.assert_allclose(router_z_loss(logits), np.mean(lse**2), rtol=1e-5)
+    # Switch normalisation: uniform probabilities give exactly 1 whatever the assignment...
+    uniform = r._replace(probs=jnp.full((g, s, e), 1.0 / e))
+    np.testing.assert_allclose(load_balancing_loss(uniform), 1.0, rtol=1e-6)
+    # ...and so does a perfectly balanced assignment whatever the probabilities.
+    balanced = r._replace(experts=jnp.asarray(np.arange(g * s * e).reshape(g, s * e, 1) % e, jnp.int32),
+                          probs=r.probs.repeat(e, axis=1))
+    np.testing.assert_allclose(load_balancing_loss(balanced), 1.0, rtol=1e-5)
+    # Collapse onto one expert with certainty costs E.
+    collapsed = r._replace(experts=jnp.zeros((g, s, 1), jnp.int32), probs=jax.nn.one_hot(jnp.zeros((g, s), int), e))
+    np.testing.assert_allclose(load_balancing_loss(collapsed), float(e), rtol=1e-6)
+
+
+def test_capacity():
+    assert capacity(32, 8, 2, 1.25) == 10  # ceil(1.25 * 32 * 2 / 8)
+    assert capacity(32, 8, 2, 0.0) == 32 == capacity(32, 8, 2, -1.0)  # dropless: one sequence's worth
+    assert capacity(4, 2, 1, 100.0) == 4  # never more than a sequence can send one expert
+
+
+def test_drops_follow_router_probability_and_pass_through_the_residual():
+    """Hand-computed: 4 tokens, 2 experts, top-1, capacity factor 0.5 -> 1 slot per expert.
+    Tokens 0, 1, 2 choose expert 0 with probabilities 0.9, 0.6, 0.8; token 3 chooses expert 1.
+    Expert 0 keeps token 0 (the most confident) and drops 1 and 2: dropped fraction 2/4."""
+    p0 = np.array([0.9, 0.6, 0.8, 0.3])
+    logits = jnp.asarray(np.log(np.stack([p0, 1 - p0], -1))[None], jnp.float32)  # [1, 4, 2]
+    r = route(logits, 1, renormalize=True)
+    cap = capacity(4, 2, 1, 0.5)
+    assert cap == 1
+    slot, keep = assign_slots(r, 2, cap)
+    np.testing.assert_array_equal(np.asarray(keep)[0, :, 0], [True, False, False, True])
+    np.testing.assert_array_equal(np.asarray(slot)[0, :, 0], [0, 2, 1, 0])  # queue order by probability
+
+    # Through the layer: dropped tokens get exactly zero from the MoE (the block adds the
+    # residual). Token i is the unit vector e_i and the router's rows are the logits above.
+    layer = MoE(MoEConfig(num_experts=2, top_k=1, capacity_factor=0.5), d_ff=8)
+    x = jnp.eye(4, 6, dtype=jnp.float32)[None]  # [1, 4, 6]
+    params = dict(nn.unbox(layer.init(jax.random.key(0), x)["params"]))
+    params["router"] = jnp.zeros((6, 2), jnp.float32).at[:4].set(logits[0])
+    y, stats = layer.apply({"params": params}, x)
+    y = np.asarray(y)[0]
+    assert np.all(y[1] == 0) and np.all(y[2] == 0)
+    assert np.abs(y[0]).max() > 0 and np.abs(y[3]).max() > 0
+    assert float(stats["dropped_fraction"]) == 0.5
+    assert float(stats["load_max_over_mean"]) == 1.5  # loads (3, 1) before drops, mean 2
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer against a dense reference: every token through its top-k experts with plain einsums
+
+
+def _dense_reference(x, router, wi, wo, k):
+    probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, router), -1)
+    gates, experts = jax.lax.top_k(probs, k)
+    gates = gates / gates.sum(-1, keepdims=True)
+    gate_up = jnp.einsum("btd,edhf->btehf", x, wi)
+    out = jnp.einsum("btef,efd->bted", jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], wo)  # all experts
+    picked = jnp.take_along_axis(out, experts[..., None], axis=2)  # [B, T, k, D]
+    return jnp.sum(picked * gates[..., None], axis=2)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_layer_equals_dense_reference(k):
+    cfg = MoEConfig(num_experts=4, top_k=k, capacity_factor=0.0)  # dropless
+    layer = MoE(cfg, d_ff=16)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 8, 12)), jnp.float32)
+    params = nn.unbox(layer.init(jax.random.key(1), x)["params"])
+    params = {**params, "router": params["router"] * 50}  # confident, well-separated routing
+
+    @jax.jit
+    def ours(x, p):
+        return layer.apply({"params": p}, x)[0]
+
+    @jax.jit
+    def ref(x, p):
+        return _dense_reference(x, p["router"], p["wi"], p["wo"], k)
+
+    np.testing.assert_allclose(ours(x, params), ref(x, params), rtol=LAYER_RTOL, atol=1e-6)
+    g_ours = jax.grad(lambda x, p: jnp.sum(jnp.sin(ours(x, p))), argnums=(0, 1))(x, params)
+    g_ref = jax.grad(lambda x, p: jnp.sum(jnp.sin(ref(x, p))), argnums=(0, 1))(x, params)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_ours), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=LAYER_RTOL, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert parallelism: every layout equals one device, loss and gradients (router losses included)
+
+BASE = Config(
+    model=ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=64, vocab_size=256,
+                      moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=0.0, shared_experts=1)),
+    optim=OptimConfig(warmup_steps=1),
+    train=TrainConfig(global_batch=8, seq_len=16, lr=1e-3, seed=5),
+)
+LAYOUTS = {
+    "data4_expert2": MeshConfig(data=4, expert=2),
+    "expert8": MeshConfig(data=1, expert=8),
+    "data2_tensor2_expert2": MeshConfig(data=2, tensor=2, expert=2),
+    "tensor2_expert4": MeshConfig(data=1, tensor=2, expert=4),
+}
+DROPPING = dataclasses.replace(BASE.model, moe=dataclasses.replace(BASE.model.moe, capacity_factor=1.0, every=2))
+
+
+def _grads(cfg: Config, devices=None):
+    mesh = make_mesh(cfg.mesh, devices)
+    layout = make_layout(cfg, mesh)
+    state = init_state(cfg, layout)
+    rows = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
+    batch = jax.device_put({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, batch_sharding(mesh))
+    loss, grads = make_grad_fn(layout)(state.params, batch)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+def _assert_same(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=LOSS_RTOL)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
+        err, scale = np.abs(g - r).max(), np.abs(r).max()
+        assert err <= GRAD_ATOL + GRAD_RTOL * scale, (jax.tree_util.keystr(path), err, scale)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _grads(dataclasses.replace(BASE, mesh=MeshConfig(data=1)), available_devices(1))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_parallel_equals_one_device(one_device, name):
+    _assert_same(_grads(dataclasses.replace(BASE, mesh=LAYOUTS[name])), one_device)
+
+
+def test_drops_do_not_depend_on_the_layout():
+    """Capacity is per sequence, so even with drops (and MoE every 2nd block) every layout
+    computes the same function (this is also the expert=2 x tensor=2 layout)."""
+    cfg = dataclasses.replace(BASE, model=dataclasses.replace(DROPPING, n_layers=4))
+    want = _grads(dataclasses.replace(cfg, mesh=MeshConfig(data=1)), available_devices(1))
+    _assert_same(_grads(dataclasses.replace(cfg, mesh=MeshConfig(data=2, tensor=2, expert=2))), want)
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled step: 2 all-to-alls per MoE layer forward and 2 backward, of the slot bytes
+
+
+def test_compiled_all_to_alls():
+    cfg = apply_overrides(dataclasses.replace(BASE, model=dataclasses.replace(DROPPING, n_layers=4)),
+                          ["mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "model.moe.capacity_factor=1.25"])
+    step = compile_step(cfg, FAST_COMPILE)
+    found = collectives(step.hlo, step.mesh_shape)
+    a2a = [c for c in found if c.kind == "all-to-all"]
+    n_moe = cfg.model.n_layers // cfg.model.moe.every
+    assert sum(c.executions for c in a2a) == 4 * n_moe
+    assert {c.axes for c in a2a} == {("expert",)}
+    e, cap = cfg.model.moe.num_experts, capacity(cfg.train.seq_len, 8, 2, 1.25)
+    slots = cfg.train.global_batch // (2 * 2) * e * cap * cfg.model.d_model * 4  # [B/(data expert), E, C, D] f32
+    assert {c.bytes for c in a2a} == {slots}
+    # Nothing is all-gathered (no ZeRO-3; routing stays local), and `expert` carries only the
+    # all-to-alls and reductions of replicated gradients and scalars.
+    assert not [c for c in found if c.kind == "all-gather"], [c.op_name for c in found if c.kind == "all-gather"]
+    assert {c.kind for c in found if "expert" in c.axes} == {"all-to-all", "all-reduce"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Counting: parameters of the built tree, and activated FLOPs
+
+
+@pytest.mark.parametrize("every, shared", [(1, 0), (2, 1)])
+def test_counts(every, shared):
+    m = dataclasses.replace(BASE.model, n_layers=4, moe=dataclasses.replace(BASE.model.moe, every=every, shared_experts=shared))
+    shapes = jax.eval_shape(lambda: Transformer(m).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+    built = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    assert count_params(m)["total"] == built
+    n_moe, d, f, e = 4 // every, m.d_model, m.d_ff, m.moe
+    unused = n_moe * (e.num_experts - e.top_k) * 3 * d * f  # the experts a token does not use
+    assert active_params(m) == built - unused
+    dense = dataclasses.replace(m, moe=MoEConfig())
+    # Activated FLOPs: each MoE layer swaps a dense FFN for a router, k experts and the shared ones.
+    swap = n_moe * (d * e.num_experts + (e.top_k + shared - 1) * 3 * d * f)
+    assert flops_per_token(m, 16) == flops_per_token(dense, 16) + 6 * swap
