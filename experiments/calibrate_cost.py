@@ -2,6 +2,7 @@
 
     python experiments/calibrate_cost.py            # ~80 compiles, ~8 minutes on a 2-core CPU
     python experiments/calibrate_cost.py --quick    # 12 compiles, ~1.5 minutes
+    python experiments/calibrate_cost.py --moe      # the 11 MoE compiles, ~2 minutes
     python experiments/calibrate_cost.py --json out.json
 
 A script, not a test: it compiles each calibration layout ahead of time on 8 simulated CPU devices
@@ -26,7 +27,7 @@ if "jax" not in sys.modules:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from parallax.audit import FAST_COMPILE, audit  # noqa: E402
-from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from parallax.config import Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig  # noqa: E402
 
 MODEL = ModelConfig(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=256)
 M42 = MeshConfig(data=4, tensor=2)
@@ -61,6 +62,24 @@ LAYOUTS = {  # (mesh, parallel, model overrides)
     "z3_full": (M42, ParallelConfig(zero=3, remat="full"), {}),
     "z3_full_L8": (M42, ParallelConfig(zero=3, remat="full"), {"n_layers": 8}),
 }
+# MoE (MOE_SLOT_D, MOE_SLOT_F, MOE_ROUTER, MOE_WORKING in cost.py): least squares over these 11
+# compiles, one factor at a time around E=4 top-2 experts on data=2 x tensor=2 x expert=2.
+_E = MoEConfig(num_experts=4, top_k=2)
+_MOE = {"d_model": 96, "d_ff": 192, "moe": _E}
+E222 = MeshConfig(data=2, tensor=2, expert=2)
+MOE_CASES = {
+    "moe_base": (E222, ParallelConfig(), {}, {}),
+    "moe_cf4": (E222, ParallelConfig(), {"moe": dataclasses.replace(_E, capacity_factor=4.0)}, {}),
+    "moe_Fe384": (E222, ParallelConfig(), {"moe": dataclasses.replace(_E, d_ff=384)}, {}),
+    "moe_E8": (E222, ParallelConfig(), {"moe": dataclasses.replace(_E, num_experts=8)}, {}),
+    "moe_full": (E222, ParallelConfig(remat="full"), {}, {}),
+    "moe_dots": (E222, ParallelConfig(remat="dots"), {}, {}),
+    "moe_every2": (E222, ParallelConfig(), {"moe": dataclasses.replace(_E, every=2)}, {}),
+    "moe_shared": (E222, ParallelConfig(), {"moe": dataclasses.replace(_E, shared_experts=1)}, {}),
+    "moe_d4e2": (MeshConfig(data=4, expert=2), ParallelConfig(), {}, {}),
+    "moe_bf16": (E222, ParallelConfig(), {"dtype": "bfloat16"}, {}),
+    "moe_B32": (E222, ParallelConfig(), {}, {"global_batch": 32}),
+}
 QUICK = ["base/none/float32", "L8/none/float32", "base/full/float32", "base/dots/bfloat16", "t1/none/float32",
          "m2", "gpipe_p2_m4", "gpipe_p4_m4", "1f1b_p2_m4", "1f1b_p4_m4", "z1", "z3_full"]
 
@@ -72,17 +91,20 @@ def cases():
                 yield f"{name}/{remat}/{dtype}", mesh, ParallelConfig(remat=remat), {**model, "dtype": dtype}, train
     for name, (mesh, parallel, model) in LAYOUTS.items():
         yield name, mesh, parallel, model, {}
+    for name, (mesh, parallel, model, train) in MOE_CASES.items():
+        yield name, mesh, parallel, {**_MOE, **model}, train
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a 12-layout subset")
+    ap.add_argument("--moe", action="store_true", help="only the 11 MoE layouts")
     ap.add_argument("--json", help="also write every row to this file")
     args = ap.parse_args(argv)
     rows = []
     print(f"{'layout':28} {'XLA MiB':>8} {'model':>8} {'err':>7}  model parts (MiB)      collective bytes err (worst row)")
     for name, mesh, parallel, model, train in cases():
-        if args.quick and name not in QUICK:
+        if (args.quick and name not in QUICK) or (args.moe and name not in MOE_CASES):
             continue
         cfg = Config(mesh=mesh, model=dataclasses.replace(MODEL, **model), parallel=parallel,
                      train=dataclasses.replace(TrainConfig(global_batch=16, seq_len=64), **train))

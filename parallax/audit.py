@@ -7,7 +7,8 @@ text of a compiled step so tests and `parallax audit` can hold the compiler to t
 Replica groups are mapped back to mesh axes: XLA numbers devices by their position in the
 flattened mesh (`use_global_device_ids`), so a group is the set of flat indices along some axes.
 Loop bodies run once per trip: a collective inside the scanned layer stack is counted
-`known_trip_count` times per step.
+`known_trip_count` times per step. The MoE all-to-alls over `expert` form their own family beside
+data, tensor and pipe (expert_parallel.py; cost.py models them).
 """
 
 from __future__ import annotations
@@ -106,15 +107,28 @@ def _groups(line: str, n_devices: int) -> list[list[int]] | None:
         if m.group(3):
             ids = ids.transpose([int(v) for v in m.group(3).split(",")])
         return ids.reshape(shape).tolist()
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:\s*\{([^}]*)\})?", line)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)\))?"
+                  r"(?:\s*\{([^}]*)\})?", line)
     if m:
         axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
         # `mesh[...] {'axis_2'}` groups along the named axes; without braces, along all of them.
-        listed = re.findall(r"'(\w+)'", m.group(2)) if m.group(2) is not None else names
+        listed = re.findall(r"'(\w+)'", m.group(3)) if m.group(3) is not None else names
         grouped = [names.index(a) for a in listed]
         rest = [i for i in range(len(names)) if i not in grouped]
-        ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(rest + grouped)
+        # `device_ids=([4,2]T(1,0))` (an iota, maybe transposed) or `device_ids=(0,2,...)` lays the
+        # mesh over a permuted device list; without it, over the devices in order. (Seen under
+        # ZeRO-1 with experts: a reduction over data written as a transposed (data, expert) mesh.)
+        devices = np.arange(math.prod(sizes))
+        if m.group(2) and m.group(2).startswith("["):
+            iota = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", m.group(2))
+            devices = devices.reshape([int(v) for v in iota.group(1).split(",")])
+            if iota.group(2):
+                devices = devices.transpose([int(v) for v in iota.group(2).split(",")])
+            devices = devices.reshape(-1)
+        elif m.group(2):
+            devices = np.asarray([int(v) for v in m.group(2).split(",")])
+        ids = devices.reshape(sizes).transpose(rest + grouped)
         return ids.reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
     if re.search(r"replica_groups=\{\}", line):  # empty: one group of every device
         return [list(range(n_devices))]
@@ -292,7 +306,7 @@ class Row:
 
     @property
     def family(self) -> str:
-        return axis_family(self.axes)
+        return axis_family(self.axes, self.kind)
 
     @property
     def explained(self) -> bool:
@@ -307,10 +321,13 @@ class Row:
         return self.model_bytes / self.bytes - 1
 
 
-def axis_family(axes: tuple[str, ...]) -> str:
-    """The parallelism a collective serves: anything over a batch axis is data parallelism (XLA
-    sometimes spreads a gradient reduction over (data, pipe) or (data, tensor) replicas), then
-    tensor, then pipe."""
+def axis_family(axes: tuple[str, ...], kind: str = "all-reduce") -> str:
+    """The parallelism a collective serves: an all-to-all over `expert` is the MoE exchange
+    (expert parallelism); anything else over a batch axis (data, or expert, which is more data
+    parallelism outside MoE layers) is data parallelism (XLA sometimes spreads a gradient
+    reduction over (data, pipe) or (data, tensor) replicas), then tensor, then pipe."""
+    if kind == "all-to-all" and "expert" in axes:
+        return "expert"
     for family in ("data", "expert", "tensor", "pipe"):
         if family in axes:
             return "data" if family == "expert" else family
@@ -410,12 +427,13 @@ def format_report(a: dict, title: str) -> str:
         if r["model"]:
             lines.append(f"      model: {'; '.join(r['model'])}")
         elif r["bytes"] <= SCALAR_BYTES:
-            lines.append("      loss and norm scalars (not modelled)")
+            lines.append("      loss, norm and MoE routing-statistics scalars (not modelled)")
         elif r["explained"]:
             lines.append("      part of a reduction XLA split over another group (counted in the axis total below)")
     if not a["collectives"]:
         lines.append("  none (single device)")
-    lines.append("per mesh axis (all kinds and groups that serve it):")
+    lines.append("per parallelism (all kinds and groups that serve it; data: gradient reductions and ZeRO gathers "
+                 "over data and/or expert; expert: the MoE all-to-alls):")
     for axis, f in a["axes"].items():
         err = f"{f['error'] * 100:+.1f}%" if f["error"] is not None else "-"
         lines.append(f"  {axis:<8} compiled {f['executions']:>6} runs {_mib(f['bytes']):>14}   model "

@@ -17,10 +17,12 @@ outermost) and K devices per fast domain (an NVLink host; a TPU ICI slice): ring
 Overlap as the design states: tensor all-reduces exposed; the data-parallel gradient reduction
 inside the backward layer loop hidden behind the backward pass (after the tick loop when
 pipelined: exposed); ZeRO-3 gathers prefetched behind compute; pipeline sends behind the other
-half-microbatch's compute (exposed only where longer); the 1F1B/GPipe bubble (P-1)/(R M+P-1).
+half-microbatch's compute (exposed only where longer); the 1F1B/GPipe bubble (P-1)/(R M+P-1);
+the MoE all-to-alls over `expert` exposed (the expert matmuls wait for the dispatched slots).
 
-MoE is not built in parallax yet (mesh.expert must be 1): the planner plans dense models only and
-says so for the MoE preset, rather than forecast a program nobody can compile and audit.
+MoE models search `expert` too (dividing num_experts; the batch is split over data x expert).
+Config refuses MoE inside a pipeline today, so MoE layouts keep pipe = 1 and one microbatch.
+The device, preset and published-run tables live in presets.py.
 """
 
 from __future__ import annotations
@@ -35,92 +37,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallax.config import Config, ConfigError, ModelConfig, TrainConfig, UserError, apply_overrides, load_experiment
+from parallax.config import (Config, ConfigError, ModelConfig, TrainConfig, UserError, apply_overrides, expert_d_ff,
+                             load_experiment)
 from parallax.cost import (CIRCULAR, GPIPE, ONE_F_ONE_B, REMATS, SCHEDULES, Grid, Workload, collective_terms,
                            hardware_flops_per_device, memory_parts, model_flops_per_step)
-from parallax.metrics import PEAK_FLOPS
+from parallax.presets import PUBLISHED  # noqa: F401 - re-exported: the published runs beside compare_published
+from parallax.presets import ALIASES, DEVICES, PRESETS, Device, PublishedRun
 
 GiB = 2**30
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    peak_bf16: float  # dense FLOP/s
-    peak_fp8: float | None
-    hbm_bytes: float
-    intra_bw: float  # bytes/s per device, one direction, inside the fast domain (NVLink, ICI)
-    inter_bw: float  # bytes/s per device across fast domains (InfiniBand/Ethernet NIC, DCN)
-    per_host: int  # fast-domain size: devices per NVLink host, or the ICI slice of a TPU
-    efficiency: float  # calibrated fraction of peak the step's compute reaches (see CALIBRATION)
-
-
-# Peaks reuse metrics.PEAK_FLOPS (dense, no sparsity). Memory and links: vendor datasheets (NVIDIA
-# A100/H100/H200/DGX B200; Google Cloud TPU system-architecture pages). GPU inter-host: one NIC
-# per GPU (HDR 200 Gb/s on A100 systems, NDR 400 Gb/s on Hopper/Blackwell). TPU intra: ICI per
-# chip, one direction; inter: data-center network per chip (v5p: 50 Gb/s documented; v4/v5e/v6e
-# from per-host NIC figures).
-def _d(key, name, hbm_gb, intra_gbs, inter_gbs, per_host, efficiency) -> Device:
-    p = PEAK_FLOPS[key]
-    return Device(name, p["bf16"], p["fp8"], hbm_gb * 1e9, intra_gbs * 1e9, inter_gbs * 1e9, per_host, efficiency)
-
-
-# CALIBRATION (BUILD_NOTES.md, "Planner"): efficiency is the fraction of dense peak the whole
-# step's compute reaches. Hopper: set so the planner predicts MaxText's 52% BF16 MFU for
-# Llama-2-70B on H100; TPU: MaxText's 65% for Llama-2-70B on v5p; A100: its large-GEMM
-# efficiency (~0.8 of peak) times ~0.9 for the non-matmul work. B200 has no public figure we
-# trust: Hopper's value, lower. None is fitted to the published runs the tests compare against.
-DEVICES = {
-    "a100-80gb": _d("a100", "A100-80GB SXM", 80, 300, 25, 8, 0.72),
-    "h100": _d("h100", "H100 SXM", 80, 450, 50, 8, 0.60),
-    "h200": _d("h200", "H200 SXM", 141, 450, 50, 8, 0.60),
-    "b200": _d("b200", "B200 (DGX)", 180, 900, 50, 8, 0.55),
-    "tpu-v4": _d("tpu v4", "TPU v4", 32 * GiB / 1e9, 300, 3.125, 4096, 0.70),
-    "tpu-v5e": _d("tpu v5e", "TPU v5e", 16, 200, 3.125, 256, 0.70),
-    "tpu-v5p": _d("tpu v5p", "TPU v5p", 95 * GiB / 1e9, 600, 6.25, 6144, 0.70),
-    "tpu-v6e": _d("tpu v6e", "TPU v6e", 32, 400, 12.5, 256, 0.70),
-}
-ALIASES = {"a100": "a100-80gb", "v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e"}
 USABLE_MEMORY = 0.90  # of HBM: XLA's own buffers, fragmentation (raise XLA_PYTHON_CLIENT_MEM_FRACTION from 0.75)
 LINK_EFFICIENCY = 0.80  # achieved / nominal bandwidth of large ring collectives (NCCL bus bandwidth, ICI)
 LATENCY_INTRA, LATENCY_INTER = 10e-6, 30e-6  # seconds per collective
-
-
-# ----------------------------------------------------------------------------------------------
-# Presets: published shapes, bent where parallax's model cannot express them (said in `note`)
-
-
-@dataclass(frozen=True)
-class Preset:
-    model: ModelConfig
-    global_batch: int
-    seq_len: int
-    note: str
-    moe: bool = False
-
-
-def _m(d, L, n, k, f, v) -> ModelConfig:
-    return ModelConfig(d_model=d, n_layers=L, n_heads=n, n_kv_heads=k, d_ff=f, vocab_size=v, dtype="bfloat16")
-
-
-PRESETS = {
-    "gpt3-175b": Preset(_m(12288, 96, 96, 96, 32768, 51200), 1536, 2048,
-                        "GPT-3 175B (Brown et al. 2020): SwiGLU with d_ff 8D/3 keeps the 4D GELU MLP's parameter "
-                        "count; vocab padded to 51200"),
-    "dense-1t": Preset(_m(25600, 128, 160, 160, 68352, 51200), 8192, 2048,
-                       "Megatron-LM's 1T shape (Narayanan et al. 2021; SwiGLU d_ff ~8D/3); batch 8192 x 2048 "
-                       "(16.8M tokens) so that data=128 x pipe=16 has microbatches to fill the pipeline"),
-    "llama3-405b": Preset(_m(16384, 126, 128, 8, 53248, 128256), 2048, 8192,
-                          "Llama 3 405B (Dubey et al. 2024): 16M-token steps at 8K context; parallax needs "
-                          "n_layers divisible by pipe (Meta's 16 stages were uneven)"),
-    "palm-540b": Preset(_m(18432, 118, 48, 12, 73728, 258048), 2048, 2048,
-                        "PaLM 540B-like (Chowdhery et al. 2022): parallax ties head dim to d_model/heads (384, "
-                        "PaLM 256) and shards kv heads over tensor (12 here, PaLM multi-query 1): 586B params; "
-                        "vocab 256k padded to 258048 (divisible by 12)"),
-    "llama2-70b": Preset(_m(8192, 80, 64, 8, 28672, 32000), 512, 4096, "Llama 2 70B (calibration: MaxText)"),
-    "mixtral-8x7b": Preset(_m(4096, 32, 32, 8, 14336, 32000), 1024, 4096,
-                           "Mixtral 8x7B: 8 experts, top-2", moe=True),
-}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,31 +61,34 @@ def _divisors(n: int) -> list[int]:
 def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3)) -> Grid:
     """Every layout parallax accepts (config.validate's rules) for `w` on n_devices, as arrays."""
     m = w.model
+    E = m.moe.num_experts
     rows = []
-    for t in _divisors(n_devices):
-        if m.n_heads % t or m.n_kv_heads % t or m.d_ff % t or m.vocab_size % t:
+    for t, e in itertools.product(_divisors(n_devices), _divisors(E) if E else [1]):
+        if m.n_heads % t or m.n_kv_heads % t or m.d_ff % t or m.vocab_size % t or n_devices % (t * e):
             continue
-        for p in _divisors(n_devices // t):
-            if m.n_layers % p:
+        if E and expert_d_ff(m) % t:
+            continue
+        for p in _divisors(n_devices // (t * e)):
+            if m.n_layers % p or (E and p > 1):  # config refuses MoE inside a pipeline (for now)
                 continue
-            d = n_devices // (t * p)
-            if w.global_batch % d:
+            d = n_devices // (t * p * e)
+            if w.global_batch % (d * e):
                 continue
-            shard_rows = w.global_batch // d
+            shard_rows = w.global_batch // (d * e)
             micro = [1] if p == 1 else [mb for mb in _divisors(shard_rows) if mb >= p]
-            micro += [mb for mb in _divisors(shard_rows) if p == 1 and mb > 1]  # 1F1B-only memory lever
+            micro += [mb for mb in _divisors(shard_rows) if p == 1 and mb > 1 and not E]  # 1F1B-only memory lever
             for mb in micro:
                 scheds = [(GPIPE, 1)] if mb == 1 and p == 1 else [(GPIPE, 1), (ONE_F_ONE_B, 1)]
                 if p > 1 and mb % p == 0:
                     scheds += [(CIRCULAR, r) for r in _divisors(m.n_layers // p) if r > 1]
                 for (sched, r), zero, remat in itertools.product(scheds, zero_stages, range(len(REMATS))):
-                    if zero and m.d_model % d:
+                    if zero and m.d_model % d:  # ZeRO shards `embed` over data
                         continue
                     if sched == ONE_F_ONE_B and zero == 3:
                         continue
                     if p == 1 and mb > 1 and sched != ONE_F_ONE_B:
                         continue
-                    rows.append((d, t, p, 1, zero, mb, sched, r, remat))
+                    rows.append((d, t, p, e, zero, mb, sched, r, remat))
     if not rows:
         return Grid(*(np.zeros(0, int) for _ in range(9)))
     a = np.asarray(rows, dtype=np.int64).T
@@ -182,6 +112,8 @@ def collective_seconds(kind: str, nbytes, group, stride, dev: Device, per_host: 
     latency = np.where(crosses, LATENCY_INTER, LATENCY_INTRA)
     if kind == "collective-permute":
         return nbytes / np.where(crosses, bw_out, bw_in) + latency
+    if kind == "all-to-all":  # no hierarchy to exploit: each device sends (n-inner)/n of its bytes off-domain
+        return (inner - 1) / group * nbytes / bw_in + (group - inner) / group * nbytes / bw_out + latency
     f = _FACTOR[kind]
     return f(inner) * nbytes / bw_in + np.where(crosses, f(outer) * nbytes / inner / bw_out, 0) + latency
 
@@ -201,14 +133,20 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     stretch = np.where(f1b, (m_ + p - 1) / m_, 1.0)  # 1F1B: busy work stretched by its bubble
     t_compute = t_blocks * stretch + (hw["head"] + hw["embedding"]) / rate
     strides = {"tensor": 1, "expert": t, "data": t * e, "pipe": t * e * d}  # device order: tensor innermost
-    exposed = {"tensor": 0.0, "pipe": 0.0, "data": 0.0}
+    sizes = {"tensor": t, "expert": e, "data": d, "pipe": p}
+    exposed = {"tensor": 0.0, "pipe": 0.0, "data": 0.0, "expert": 0.0}
     hidden_data = 0.0  # behind the backward pass
     hidden_zero3 = 0.0  # behind compute
     tick_send = 0.0
     for term in collective_terms(w, g, "accelerator"):
         axis = "data" if "data" in term.axes else term.axes[0]
-        secs = term.executions * collective_seconds(term.kind, term.bytes, term.group, strides[axis], dev, per_host)
-        secs = np.where(term.executions > 0, secs, 0.0)
+        # A group's members lie its innermost non-trivial axis apart: a (data, expert) gradient
+        # group is d*e devices t apart when expert > 1, t*e apart otherwise.
+        stride = strides[term.axes[0]]
+        for a in term.axes[1:]:
+            stride = np.where(sizes[a] > 1, np.minimum(stride, strides[a]), stride)
+        secs = term.executions * collective_seconds(term.kind, term.bytes, term.group, stride, dev, per_host)
+        secs = np.where((term.executions > 0) & (term.bytes > 0), secs, 0.0)
         if term.overlap == "tick":
             tick_send = tick_send + secs
         elif term.overlap == "backward":
@@ -223,13 +161,14 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     exposed["data"] = exposed["data"] + np.maximum(hidden_data - np.where(piped, 0, t_backward), 0)
     exposed["data"] = exposed["data"] + np.maximum(hidden_zero3 - t_compute, 0)
     exposed["pipe"] = exposed["pipe"] + np.maximum(tick_send - t_compute / 2, 0)  # half the tick hides it
-    step = t_compute + exposed["tensor"] + exposed["pipe"] + exposed["data"]
+    step = t_compute + exposed["tensor"] + exposed["pipe"] + exposed["data"] + exposed["expert"]
     flops = model_flops_per_step(w)
     mfu = flops / (n * dev.peak_bf16 * step)
     r = np.asarray(g.repeats)
     bubble = np.where(piped, (p - 1) / (np.where(sched == CIRCULAR, r, 1) * m_ + p - 1), 0.0)
     return {"memory": mem, "flops": hw, "compute_s": t_compute, "tensor_s": exposed["tensor"],
-            "pipe_s": exposed["pipe"], "data_s": exposed["data"], "step_s": step, "mfu": mfu, "bubble": bubble}
+            "pipe_s": exposed["pipe"], "data_s": exposed["data"], "expert_s": exposed["expert"], "step_s": step,
+            "mfu": mfu, "bubble": bubble}
 
 
 @dataclass(frozen=True)
@@ -250,7 +189,7 @@ def _row(g: Grid, ev: dict, i: int) -> dict:
         "repeats": int(pick(g.repeats)), "remat": REMATS[int(pick(g.remat))],
         "memory_gib": round(mem.pop("total"), 3), "memory_parts_gib": {k: round(v, 3) for k, v in mem.items()},
         "step_time_s": float(pick(ev["step_s"])), "mfu": float(pick(ev["mfu"])), "bubble": float(pick(ev["bubble"])),
-        "time_parts_s": {k: float(pick(ev[k + "_s"])) for k in ("compute", "tensor", "pipe", "data")},
+        "time_parts_s": {k: float(pick(ev[k + "_s"])) for k in ("compute", "tensor", "pipe", "data", "expert")},
     }
 
 
@@ -292,37 +231,6 @@ def smallest_fitting_count(w: Workload, n_devices: int, dev: Device, attention: 
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     return hi * step
-
-
-# ----------------------------------------------------------------------------------------------
-# Published runs the planner is checked against (tests/test_plan.py, experiments/published_runs.py)
-
-
-@dataclass(frozen=True)
-class PublishedRun:
-    name: str
-    preset: str
-    devices: int
-    device: str
-    layout: dict  # data, tensor, pipe as published
-    mfu: tuple[float, float]  # published MFU range (model FLOPs, BF16 peak)
-    source: str
-    per_host: int | None = None
-    global_batch: int | None = None  # when the run's differs from the preset's
-
-
-PUBLISHED = [
-    PublishedRun("Megatron-LM 1T, classic 3D layout", "dense-1t", 16384, "a100-80gb",
-                 {"data": 128, "tensor": 8, "pipe": 16}, (0.39, 0.39),
-                 "Narayanan et al. 2021: 163 TFLOP/s/GPU = 52% of A100 peak counting the recomputed forward "
-                 "(their FLOP formula); 52% x 3/4 = 39% in model FLOPs. Run on 3072 GPUs (TP8 PP64 DP6); "
-                 "TP8/PP16/DP128 on 16,384 GPUs is the issue's classic 3D layout for it"),
-    PublishedRun("Llama 3 405B", "llama3-405b", 16384, "h100", {"data": 128, "tensor": 8, "pipe": 16}, (0.38, 0.43),
-                 "Dubey et al. 2024, table 4: 38-43% BF16 MFU on 8K-16K H100s"),
-    PublishedRun("PaLM 540B", "palm-540b", 6144, "tpu-v4", {"data": 512, "tensor": 12, "pipe": 1}, (0.462, 0.462),
-                 "Chowdhery et al. 2022: 46.2% MFU on 6144 TPU v4 (2 pods of 3072 chips), 12-way model "
-                 "parallel x 256-way FSDP per pod x 2 pods", per_host=3072),
-]
 
 
 def compare_published(run: PublishedRun, attention: str = "fused") -> dict:
@@ -367,9 +275,6 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, Config, str]:
         if key not in PRESETS:
             raise UserError(f"--preset {args.preset!r}: unknown preset (known: {', '.join(PRESETS)})")
         pre = PRESETS[key]
-        if pre.moe:
-            raise UserError(f"--preset {key}: MoE is not built in parallax yet (mesh.expert must be 1); the planner "
-                            "plans dense models only until it lands")
         cfg = Config(name=key, model=pre.model, train=TrainConfig(global_batch=pre.global_batch, seq_len=pre.seq_len))
         note = pre.note
     else:
@@ -389,9 +294,11 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, Config, str]:
 
 def _no_factorization(w: Workload, n: int) -> str:
     m = w.model
-    return (f"--devices {n}: no (data, tensor, pipe) factorization of {n} fits the model's divisibility: tensor must "
+    return (f"--devices {n}: no (data, tensor, pipe, expert) factorization of {n} fits the model's divisibility: tensor must "
             f"divide n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}, d_ff={m.d_ff} and vocab_size={m.vocab_size}; "
-            f"pipe must divide n_layers={m.n_layers}; data must divide train.global_batch={w.global_batch}")
+            f"pipe must divide n_layers={m.n_layers}; data must divide train.global_batch={w.global_batch}"
+            + (f"; expert must divide moe.num_experts={m.moe.num_experts} (tensor also moe.d_ff={expert_d_ff(m)}, "
+               f"data x expert the batch; MoE layouts keep pipe=1)" if m.moe.num_experts else ""))
 
 
 def cap_batch(global_batch: int, noise_scale: float) -> tuple[int, str | None]:
@@ -420,6 +327,9 @@ def explain(row: dict, dev: Device, per_host: int, n: int) -> str:
         parts.append(f"pipe={p} splits the {row['microbatches']} microbatches' depth over stages "
                      f"({row['schedule']}{', ' + str(row['repeats']) + ' chunks per stage' if row['repeats'] > 1 else ''}; "
                      f"bubble {row['bubble']:.1%})")
+    if row["expert"] > 1:
+        parts.append(f"expert={row['expert']} spreads the experts (each device holds 1/{row['expert']} of them; "
+                     f"tokens travel by all-to-all, exposed {row['time_parts_s']['expert']:.2f} s)")
     parts.append(f"data={d} takes the rest of the {n} devices")
     mem = row["memory_parts_gib"]
     closing = []
@@ -434,7 +344,7 @@ def explain(row: dict, dev: Device, per_host: int, n: int) -> str:
             + f"{row['memory_gib']:.1f} GiB of {dev.hbm_bytes / GiB * USABLE_MEMORY:.0f} usable "
             f"(activations {mem['activations'] + mem['working']:.1f}, states "
             f"{mem['params'] + mem['optimizer'] + mem['gradients']:.1f}). Step {row['step_time_s']:.2f} s: compute "
-            f"{tp['compute']:.2f}, exposed tensor {tp['tensor']:.2f}, pipe {tp['pipe']:.2f}, data {tp['data']:.2f}; "
+            f"{tp['compute']:.2f}, exposed tensor {tp['tensor']:.2f}, pipe {tp['pipe']:.2f}, data {tp['data']:.2f}, expert {tp['expert']:.2f}; "
             f"predicted MFU {row['mfu']:.1%}.")
 
 
@@ -487,12 +397,12 @@ def plan_command(args: argparse.Namespace) -> int:
           f"{result.seconds:.2f} s")
     for line in notes:
         print(f"note: {line}")
-    head = f"{'#':>2} {'data':>5} {'tensor':>6} {'pipe':>4} {'zero':>4} {'micro':>5} {'schedule':>10} {'remat':>5} " \
+    head = f"{'#':>2} {'data':>5} {'tensor':>6} {'pipe':>4} {'expert':>6} {'zero':>4} {'micro':>5} {'schedule':>10} {'remat':>5} " \
            f"{'GiB':>6} {'step s':>8} {'bubble':>6} {'MFU':>6}"
     print(head)
     for i, r in enumerate(result.layouts, 1):
         sched = r["schedule"] + (f"x{r['repeats']}" if r["repeats"] > 1 else "")
-        print(f"{i:>2} {r['data']:>5} {r['tensor']:>6} {r['pipe']:>4} {r['zero']:>4} {r['microbatches']:>5} "
+        print(f"{i:>2} {r['data']:>5} {r['tensor']:>6} {r['pipe']:>4} {r['expert']:>6} {r['zero']:>4} {r['microbatches']:>5} "
               f"{sched:>10} {r['remat']:>5} {r['memory_gib']:>6.1f} {r['step_time_s']:>8.3f} {r['bubble']:>6.1%} "
               f"{r['mfu']:>6.1%}")
     print(explain(result.layouts[0], dev, per_host, args.devices))

@@ -122,6 +122,13 @@ def test_replica_group_formats_map_to_mesh_axes():
     ])
     got = summarize(collectives(hlo, shape))
     assert got[("all-reduce", ("tensor",))] == {"ops": 1, "executions": 1, "bytes": 32}
+    # A mesh laid over a permuted device list (seen under ZeRO-1 with experts, mesh data=4 x
+    # expert=2): devices [0,2,4,6,1,3,5,7] grouped along the size-4 axis -> over data only.
+    moe_shape = {"data": 4, "tensor": 1, "pipe": 1, "expert": 2}
+    permuted = ("ENTRY %main (p: f32[8]) -> f32[8] {\n  %e = f32[8]{0} all-reduce(%p), replica_groups=mesh['axis_0'=1,"
+                "'axis_1'=2,'axis_2'=1,'axis_3'=4], device_ids=([4,2]T(1,0)) {'axis_3'}, to_apply=%add\n}")
+    assert summarize(collectives(permuted, moe_shape)) == {("all-reduce", ("data",)): {"ops": 1, "executions": 1, "bytes": 32}}
+    assert groups_to_axes([[0, 1], [2, 3], [4, 5], [6, 7]], moe_shape) == ("expert",)
     assert got[("all-reduce", ("data",))] == {"ops": 1, "executions": 1, "bytes": 32}
     assert got[("all-gather", ("data",))]["bytes"] == 8
     assert got[("all-reduce", ("data", "tensor"))]["ops"] == 1

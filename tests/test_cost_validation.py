@@ -8,7 +8,7 @@ tests/test_audit.py) and `audit.audit` sets the compiled HLO beside the model:
 - predicted peak memory within 15% of XLA's memory analysis (arguments + unaliased outputs +
   temporaries);
 - the executed matmul FLOPs the model predicts within 10% of those counted in the HLO.
-Dense layouts only: MoE (the expert axis) is not built in parallax yet. The XLA:CPU memory
+Dense layouts; MoE layouts (the expert axis) are in tests/test_cost_moe.py. The XLA:CPU memory
 constants were calibrated on a different model (experiments/calibrate_cost.py).
 """
 

@@ -5,9 +5,11 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from parallax.plan import DEVICES, PUBLISHED, USABLE_MEMORY, cap_batch, compare_published
+from parallax.cost import Grid, Workload
+from parallax.plan import DEVICES, PRESETS, PUBLISHED, USABLE_MEMORY, cap_batch, compare_published, evaluate
 from parallax.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +68,7 @@ def test_noise_scale_caps_the_batch(capsys):
     (["--preset", "gpt3-175b", "--devices", "1024", "--device", "z80"], ["--device 'z80'", "unknown device type"]),
     ([QUICKSTART, "--devices", "7", "--device", "h100"], ["--devices 7", "factorization", "n_layers=4"]),
     (["--preset", "gpt3-175b", "--devices", "8", "--device", "h100"], ["fits", "smallest device count that fits is"]),
-    (["--preset", "mixtral-8x7b", "--devices", "64", "--device", "h100"], ["MoE is not built"]),
+    (["--preset", "mixtral-8x7b", "--devices", "24", "--device", "h100"], ["--devices 24", "expert must divide"]),
     (["--preset", "gpt5", "--devices", "64", "--device", "h100"], ["unknown preset"]),
     ([QUICKSTART, "--preset", "gpt3-175b", "--devices", "64", "--device", "h100"], ["not both"]),
     ([QUICKSTART, "--devices", "8", "--device", "h100", "--noise-scale", "-1"], ["--noise-scale"]),
@@ -79,6 +81,34 @@ def test_plan_bad_input_is_one_line_and_exit_2(capsys, argv, needles):
     assert len(lines) == 1 and lines[0].startswith("parallax: error: ") and "Traceback" not in err, err
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
+
+
+def test_moe_presets_plan_expert_parallelism(capsys):
+    """Mixtral-8x7B-like on 512 H100s: expert > 1 pays (the experts' optimizer state and weights
+    shrink by the expert degree, the all-to-all stays inside a host); every layout is one config
+    accepts; DeepSeek-like (64 experts, shared experts) fits too."""
+    out = _plan_json(capsys, "--preset", "mixtral-8x7b", "--devices", "512", "--device", "h100", "--top", "10")
+    usable = DEVICES["h100"].hbm_bytes * USABLE_MEMORY / 2**30
+    layouts = out["layouts"]
+    assert layouts and layouts[0]["expert"] > 1, layouts[:3]
+    for r in layouts:
+        assert r["data"] * r["tensor"] * r["pipe"] * r["expert"] == 512 and 8 % r["expert"] == 0
+        assert r["pipe"] == 1 and r["microbatches"] == 1  # config refuses pipelined MoE today
+        assert 1024 % (r["data"] * r["expert"]) == 0 and r["memory_gib"] <= usable
+        assert (r["time_parts_s"]["expert"] > 0) == (r["expert"] > 1)  # the all-to-all is exposed
+    out = _plan_json(capsys, "--preset", "deepseek-moe-16b", "--devices", "256", "--device", "h100")
+    assert out["layouts"] and all(64 % r["expert"] == 0 and r["memory_gib"] <= usable for r in out["layouts"])
+
+
+def test_moe_all_to_all_crosses_the_links_of_the_device_order():
+    """tensor innermost, then expert: an expert group of 8 is one host when tensor = 1 and spans 8
+    hosts when tensor = 8 (same bytes per device); the slow links make the second slower."""
+    pre = PRESETS["mixtral-8x7b"]
+    w = Workload(pre.model, 512, pre.seq_len)
+    dev = DEVICES["h100"]
+    ev = evaluate(w, Grid(data=np.array([8, 1]), tensor=np.array([1, 8]), expert=8, zero=3), dev, 8)
+    inside, across = ev["expert_s"]
+    assert 0 < inside and across > 3 * inside, (inside, across)
 
 
 # Published runs (BUILD_NOTES.md, "Planner"): the chosen layout fits and its MFU is within 10 points.

@@ -8,8 +8,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "parallax"
 
 # DESIGN.md's data-flow order (modules not built yet are simply absent).
 ORDER = [
-    "config", "mesh", "sharding", "layers", "attention", "fp8", "moe", "expert_parallel", "model",
-    "pipeline", "pipeline_1f1b", "optim", "train_state", "data", "train_step", "checkpoint", "metrics", "cost", "audit", "plan",
+    "config", "distributed", "mesh", "sharding", "layers", "attention", "fp8", "moe", "expert_parallel", "model",
+    "pipeline", "pipeline_1f1b", "optim", "train_state", "data", "train_step", "checkpoint", "metrics", "cost", "audit", "presets", "plan",
     "train", "__main__",
 ]
 MODEL_FILES = ["layers", "attention", "model", "moe", "fp8"]
