@@ -8,11 +8,13 @@ caller of `jax.devices()`.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
 
-from parallax.config import MeshConfig, resolve_mesh_shape
+from parallax.config import ConfigError, MeshConfig, resolve_mesh_shape
 
 DATA, TENSOR, PIPE, EXPERT = "data", "tensor", "pipe", "expert"
 AXES = (DATA, TENSOR, PIPE, EXPERT)
@@ -39,14 +41,38 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> jax.s
     devices = available_devices() if devices is None else list(devices)
     sizes = resolve_mesh_shape(cfg, len(devices))
     ordered_shape = tuple(sizes[a] for a in _DEVICE_ORDER)
-    try:
-        # Topology-aware on TPU/GPU (keeps the innermost axes on physically close chips).
-        grid = mesh_utils.create_device_mesh(ordered_shape, devices, allow_split_physical_axes=True)
-    except (ValueError, NotImplementedError, AssertionError):
-        grid = np.asarray(devices, dtype=object).reshape(ordered_shape)
+    n_slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if n_slices > 1:
+        # TPU multislice: slices talk over the data-centre network (DCN), so only the outer axes
+        # (pipe, then data) may span slices; inside each slice the mesh is topology-aware.
+        dcn = dcn_shape(ordered_shape, n_slices)
+        ici = tuple(s // d for s, d in zip(ordered_shape, dcn))
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+    else:
+        try:
+            # Topology-aware on TPU/GPU (keeps the innermost axes on physically close chips).
+            grid = mesh_utils.create_device_mesh(ordered_shape, devices, allow_split_physical_axes=True)
+        except (ValueError, NotImplementedError, AssertionError):
+            # CPU: devices are already sorted by process, so `tensor` groups stay inside a process.
+            grid = np.asarray(devices, dtype=object).reshape(ordered_shape)
     # [pipe, data, expert, tensor] -> [data, tensor, pipe, expert]
     grid = grid.transpose([_DEVICE_ORDER.index(a) for a in AXES])
     return jax.sharding.Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+
+
+def dcn_shape(ordered_shape: tuple[int, ...], n_slices: int) -> tuple[int, ...]:
+    """How many slices each axis spans, in `_DEVICE_ORDER` ([pipe, data, expert, tensor]): the slice
+    count is taken from `pipe` first, then `data`; never from `expert` or `tensor`, whose
+    all-to-alls and per-block all-reduces would cross the slow network."""
+    dcn, rest = [1] * len(ordered_shape), n_slices
+    for i, axis in enumerate(_DEVICE_ORDER):
+        if axis in (PIPE, DATA):
+            dcn[i] = math.gcd(rest, ordered_shape[i])
+            rest //= dcn[i]
+    if rest != 1:
+        raise ConfigError(f"mesh.pipe x mesh.data = {ordered_shape[0] * ordered_shape[1]} must be a multiple of "
+                          f"the {n_slices} TPU slices: only pipe and data may cross slices")
+    return tuple(dcn)
 
 
 def describe(mesh: jax.sharding.Mesh) -> str:

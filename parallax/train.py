@@ -13,8 +13,6 @@ consecutive non-finite steps stopped the run (its last good checkpoint is kept).
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import math
 import os
 import signal
@@ -25,6 +23,7 @@ import traceback
 from pathlib import Path
 
 from parallax.config import Config, UserError, apply_overrides, devices_needed, load_experiment
+from parallax.distributed import accelerator_platform, apply_overlap_flags, error_prefix, initialize, process_spec
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3  # distinct from user errors: a scheduler should not blindly restart it
@@ -65,23 +64,26 @@ class StopSignals:
 
 def has_accelerator() -> bool:
     """Whether JAX will find a GPU/TPU, decided without importing JAX."""
-    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
-    if platforms:
-        return any(p in platforms for p in ("cuda", "gpu", "tpu", "rocm"))
-    cuda = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
-    tpu = importlib.util.find_spec("libtpu") is not None
-    return bool((cuda and glob.glob("/dev/nvidia[0-9]*")) or (tpu and glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*")))
+    return accelerator_platform() is not None
 
 
-def configure_host_devices(cfg: Config) -> str:
-    """On a CPU-only machine, simulate the devices the mesh needs. Returns the line to print."""
-    if has_accelerator():
-        return "parallax: using the accelerators JAX finds"
+def configure_host_devices(cfg: Config, processes: int = 1) -> str:
+    """Before JAX starts: on an accelerator, add the collective-overlap XLA flags; on a CPU-only
+    machine, simulate the mesh's devices, split evenly over `processes`. Returns the line(s) to print."""
+    platform = accelerator_platform()
+    if platform is not None:
+        flags_line = apply_overlap_flags(platform)
+        return "parallax: using the accelerators JAX finds" + (f"\n{flags_line}" if flags_line else "")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" in flags:
         return "parallax: no accelerator; using the CPU device count set in XLA_FLAGS"
     n = devices_needed(cfg.mesh)
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    if n % processes:
+        raise UserError(f"the mesh needs {n} devices, which {processes} processes cannot simulate in equal "
+                        "shares; choose mesh sizes whose product is a multiple of --num-processes")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n // processes}".strip()
+    if processes > 1:
+        return f"parallax: no accelerator found; simulating {n // processes} CPU devices in each of {processes} processes"
     return f"parallax: no accelerator found; simulating {n} CPU devices for the mesh (XLA_FLAGS overrides)"
 
 
@@ -293,14 +295,26 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                    help="start from step 0; refuse (exit 2) if the workdir holds a checkpoint")
     p.add_argument("--stop-at", type=int, metavar="STEP",
                    help="save and exit 0 after this step, as if preempted; the next run resumes")
+    g = p.add_argument_group("multi-process (one process per host; SLURM, Open MPI and Cloud TPU are detected)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (env PARALLAX_COORDINATOR)")
+    g.add_argument("--num-processes", type=int, metavar="N", help="processes in the run (env PARALLAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (env PARALLAX_PROCESS_ID)")
+    g.add_argument("--heartbeat-timeout", type=int, metavar="S",
+                   help="a peer silent this long counts as dead and stops the run (env PARALLAX_HEARTBEAT_TIMEOUT; "
+                        "default 100)")
 
 
 def train_command(args: argparse.Namespace) -> int:
     cfg = apply_overrides(load_experiment(args.experiment), args.set)
-    print(configure_host_devices(cfg), flush=True)
-    workdir = Path(args.workdir) if args.workdir else Path("runs") / cfg.name
     if args.stop_at is not None and args.stop_at <= 0:
         raise UserError(f"--stop-at: must be a positive step, got {args.stop_at}")
+    platform = accelerator_platform()
+    spec = process_spec(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout,
+                        platform=platform)
+    print(configure_host_devices(cfg, (spec and spec.num_processes) or 1), flush=True)
+    if spec is not None:  # before JAX's first computation, after the XLA flags are final
+        print(initialize(spec, platform), flush=True)
+    workdir = Path(args.workdir) if args.workdir else Path("runs") / cfg.name
     run(cfg, workdir, overwrite=args.overwrite, fresh=args.fresh, stop_at=args.stop_at)
     return 0
 
@@ -325,8 +339,20 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if args.debug:
             traceback.print_exc()
-        print(f"parallax: error: {e}", file=sys.stderr)
+        print(f"{error_prefix()}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except TrainingDiverged as e:
-        print(f"parallax: error: {e}", file=sys.stderr)
+        print(f"{error_prefix()}: error: {e}", file=sys.stderr)
         return EXIT_DIVERGED
+    except Exception as e:
+        if error_prefix() == "parallax":
+            raise
+        # Several processes: a normal exit would wait in jax.distributed's shutdown barrier (300 s)
+        # while the peers wait in a collective; exiting at once stops the heartbeats, so the peers
+        # are stopped within the heartbeat timeout instead.
+        traceback.print_exc()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"{error_prefix()}: error: {type(e).__name__}: {first} (in a multi-process run this often means "
+              "another process died first: its log has the cause)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)

@@ -1,0 +1,270 @@
+"""Several processes, one program: `jax.distributed` set-up and the XLA overlap flags.
+
+Everything here runs before JAX starts its backend (XLA reads its flags once, and
+`jax.distributed.initialize` must precede the first computation), and nothing here imports JAX at
+module load. parallax uses JAX's own multi-controller runtime, never a launcher of its own: one
+process per host, every process runs the same command, and process 0 hosts the coordinator.
+
+Where the process layout comes from, first match wins:
+1. flags `--coordinator HOST:PORT --num-processes N --process-id I`;
+2. env `PARALLAX_COORDINATOR`, `PARALLAX_NUM_PROCESSES`, `PARALLAX_PROCESS_ID` (the coordinator
+   also from JAX's own `JAX_COORDINATOR_ADDRESS`);
+3. a cluster JAX detects by itself (SLURM with several tasks, Open MPI's mpirun, a Cloud TPU VM):
+   `jax.distributed.initialize()` is called with the values left unset.
+Otherwise, or with `--num-processes 1`, the run is one process and none of this happens.
+
+A process that dies is noticed by JAX's coordination service: the coordinator's death at once
+(the RPC fails), any other process's after `heartbeat_timeout_seconds` without heartbeats. Either
+way every other process is terminated with "Terminating process because the JAX distributed
+service detected fatal errors ... another task died" (SIGABRT, exit 134) instead of hanging in a
+collective. `--heartbeat-timeout` sets that bound (JAX's default: 100 s).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from parallax.config import UserError
+
+ENV_COORDINATOR, ENV_NUM, ENV_ID = "PARALLAX_COORDINATOR", "PARALLAX_NUM_PROCESSES", "PARALLAX_PROCESS_ID"
+ENV_HEARTBEAT = "PARALLAX_HEARTBEAT_TIMEOUT"
+DEFAULT_HEARTBEAT_S = 100  # jax.distributed.initialize's own default in 0.10.2
+
+
+class LaunchError(UserError):
+    """Inconsistent multi-process settings, or a coordinator that cannot be reached."""
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """How to call `jax.distributed.initialize`; None fields are left to JAX's cluster detection."""
+
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
+    source: str  # 'flags/env', 'SLURM', 'Open MPI', 'Cloud TPU'
+    heartbeat_s: int = DEFAULT_HEARTBEAT_S
+
+
+# ----------------------------------------------------------------------------------------------
+# Platform and cluster detection (no JAX import)
+
+
+def accelerator_platform(environ=os.environ) -> str | None:
+    """'gpu', 'tpu' or None (CPU only), decided without importing JAX: JAX_PLATFORMS if set, else an
+    installed CUDA plugin with /dev/nvidia*, or libtpu with a TPU device node."""
+    platforms = environ.get("JAX_PLATFORMS", "").lower()
+    if platforms:
+        if "tpu" in platforms:
+            return "tpu"
+        return "gpu" if any(p in platforms for p in ("cuda", "gpu", "rocm")) else None
+    cuda = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    if cuda and glob.glob("/dev/nvidia[0-9]*"):
+        return "gpu"
+    if importlib.util.find_spec("libtpu") and glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*"):
+        return "tpu"
+    return None
+
+
+def detect_cluster(environ=os.environ, platform: str | None = None) -> tuple[str, int | None, int | None] | None:
+    """(name, process count, process id) of a cluster whose launcher JAX's `initialize()` reads by
+    itself; the same environment variables JAX 0.10.2 checks (jax/_src/clusters). A Cloud TPU VM's
+    count and id come from its metadata server, so they stay None here."""
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(v in environ for v in slurm):
+        return "SLURM", _int(environ, "SLURM_NTASKS"), _int(environ, "SLURM_PROCID")
+    if "OMPI_MCA_orte_hnp_uri" in environ:
+        return "Open MPI", _int(environ, "OMPI_COMM_WORLD_SIZE"), _int(environ, "OMPI_COMM_WORLD_RANK")
+    if platform == "tpu":
+        return "Cloud TPU", None, None
+    return None
+
+
+def _int(environ, name: str) -> int | None:
+    if environ.get(name) in (None, ""):
+        return None
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise LaunchError(f"{name}={environ[name]!r}: expected an integer") from None
+
+
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):(\d{1,5})$")
+
+
+def process_spec(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+                 heartbeat_s: int | None = None, environ=os.environ, platform: str | None = None) -> ProcessSpec | None:
+    """The process layout from flags, then env, then cluster detection; None for a single process.
+    Raises LaunchError (naming the flag and its env variable) for incomplete or inconsistent values."""
+    coordinator = coordinator or environ.get(ENV_COORDINATOR) or None
+    if num_processes is None:
+        num_processes = _int(environ, ENV_NUM)
+    if process_id is None:
+        process_id = _int(environ, ENV_ID)
+    if heartbeat_s is None:
+        heartbeat_s = _int(environ, ENV_HEARTBEAT)
+        heartbeat_s = DEFAULT_HEARTBEAT_S if heartbeat_s is None else heartbeat_s
+    if heartbeat_s <= 0:
+        raise LaunchError(f"--heartbeat-timeout ({ENV_HEARTBEAT}): must be a positive number of seconds, got {heartbeat_s}")
+    if num_processes is not None and num_processes < 1:
+        raise LaunchError(f"--num-processes ({ENV_NUM}): must be at least 1, got {num_processes}")
+    if num_processes == 1:  # an explicit single process: no runtime, even inside a cluster allocation
+        if process_id not in (None, 0):
+            raise LaunchError(f"--process-id ({ENV_ID}): must be 0 when --num-processes is 1, got {process_id}")
+        return None
+    cluster = detect_cluster(environ, platform)
+    explicit = (coordinator, num_processes, process_id) != (None, None, None)
+    if not explicit:
+        if cluster is None or (cluster[1] is not None and cluster[1] <= 1):
+            return None
+        return ProcessSpec(None, cluster[1], cluster[2], cluster[0], heartbeat_s)
+    if coordinator is None and num_processes is not None and environ.get("JAX_COORDINATOR_ADDRESS"):
+        coordinator = environ["JAX_COORDINATOR_ADDRESS"]
+    if cluster is not None:  # explicit values override what JAX would detect
+        num_processes = cluster[1] if num_processes is None else num_processes
+        process_id = cluster[2] if process_id is None else process_id
+    else:
+        for value, flag, env in ((coordinator, "--coordinator", ENV_COORDINATOR),
+                                 (num_processes, "--num-processes", ENV_NUM), (process_id, "--process-id", ENV_ID)):
+            if value is None:
+                raise LaunchError(
+                    f"{flag} ({env}) is missing: a multi-process run outside SLURM, Open MPI or a Cloud TPU VM "
+                    "needs --coordinator HOST:PORT, --num-processes N and --process-id I on every process")
+    if coordinator is not None:
+        m = _ADDRESS.match(coordinator)
+        if not m or not 0 < int(m.group(2)) < 65536:
+            raise LaunchError(f"--coordinator ({ENV_COORDINATOR}): expected HOST:PORT with a port in 1-65535, "
+                              f"got {coordinator!r}")
+    if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
+        raise LaunchError(f"--process-id ({ENV_ID}): must be in 0..{num_processes - 1} for --num-processes "
+                          f"{num_processes}, got {process_id}")
+    return ProcessSpec(coordinator, num_processes, process_id, "cluster + flags/env" if cluster else "flags/env",
+                       heartbeat_s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Starting the runtime
+
+_label = ""  # "process 1/2" once a multi-process runtime is up
+
+
+def initialize(spec: ProcessSpec, platform: str | None) -> str:
+    """Start `jax.distributed` (before any JAX computation). Returns the line to print."""
+    global _label
+    import jax
+
+    if platform is None and not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
+        # CPU processes exchange data through gloo over TCP (JAX 0.10.2's default; pinned so that a
+        # changed default cannot silently leave CPU collectives without a cross-process transport).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id,
+                                   heartbeat_timeout_seconds=spec.heartbeat_s)
+    except ValueError as e:
+        if spec.source == "Cloud TPU" and "coordinator_address" in str(e):
+            return "parallax: a TPU VM without a multi-host slice: running as one process"
+        raise LaunchError(f"jax.distributed.initialize ({spec.source}): {e}") from None
+    except Exception as e:  # the coordinator never answered (initialization_timeout, 300 s)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LaunchError(f"could not join the run at coordinator {spec.coordinator or '(auto)'} "
+                          f"as process {spec.process_id} of {spec.num_processes}: {first}") from None
+    _label = f"process {jax.process_index()}/{jax.process_count()}"
+    return (f"parallax: {_label} (via {spec.source}; coordinator {spec.coordinator or 'auto-detected'}); "
+            f"{jax.local_device_count()} local of {jax.device_count()} devices; a dead peer stops this "
+            f"process within ~{spec.heartbeat_s} s")
+
+
+def error_prefix() -> str:
+    """'parallax' or, in a multi-process run, 'parallax[process 1/2]' so that interleaved logs of
+    several hosts say which process failed."""
+    return f"parallax[{_label}]" if _label else "parallax"
+
+
+# ----------------------------------------------------------------------------------------------
+# XLA flags for overlapping collectives with compute
+
+# Defaults checked in jaxlib 0.10.2 (flags that differ from the default appear in the
+# `*.debug_options` file of an `--xla_dump_to` dump): the latency-hiding scheduler and pipelined
+# all-gather/all-reduce are off, pipelined reduce-scatter is on. Collectives are always async on
+# GPU now: the old per-collective `xla_gpu_enable_async_*` flags are gone (only reserved names in
+# XLA's proto) and XLA aborts on them, so they are not set.
+GPU_FLAGS = {
+    # Schedule each collective's async start/done pair around independent compute (the data
+    # gradient reduction behind the rest of the backward pass).
+    "xla_gpu_enable_latency_hiding_scheduler": "true",
+    # Move collectives inside the scanned layer loop into the neighbouring iteration, so the
+    # per-layer gradient all-reduce / ZeRO-3 weight all-gather overlaps another layer's compute.
+    "xla_gpu_enable_pipelined_all_reduce": "true",
+    "xla_gpu_enable_pipelined_all_gather": "true",
+    "xla_gpu_enable_pipelined_reduce_scatter": "true",
+}
+# libtpu flags (LIBTPU_INIT_ARGS), as MaxText sets them: fuse collectives into async ops that run
+# on the TPU's DMA engines while the tensor cores compute. libtpu is not installed where this was
+# written, so each one is set only if the installed libtpu defines it.
+TPU_FLAGS = {
+    "xla_tpu_enable_async_collective_fusion": "true",
+    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": "true",
+    "xla_tpu_enable_async_collective_fusion_multiple_steps": "true",
+    "xla_tpu_overlap_compute_collective_tc": "true",
+    "xla_enable_async_all_gather": "true",
+}
+FLAG_ENV = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
+
+
+def with_overlap_flags(current: str, platform: str | None, defined=lambda name: True) -> tuple[str, list[str]]:
+    """(`current` plus the platform's overlap flags, the flags added). A flag the user already set,
+    to any value, is kept as the user set it; a flag `defined` rejects is left out. CPU: nothing
+    (XLA:CPU runs collectives synchronously, and unknown flags abort XLA)."""
+    table = {"gpu": GPU_FLAGS, "tpu": TPU_FLAGS}.get(platform or "", {})
+    present = set(re.findall(r"--([A-Za-z0-9_]+)", current))
+    added = [f"--{k}={v}" for k, v in table.items() if k not in present and defined(k)]
+    return " ".join([current.strip(), *added]).strip(), added
+
+
+def _libraries(platform: str) -> list[Path]:
+    """The shared libraries that parse the platform's flags: on GPU both JAX's own XLA (the CPU
+    client also reads XLA_FLAGS) and the CUDA/ROCm plugin; on TPU, libtpu."""
+    def under(pkg: str, pattern: str) -> list[Path]:
+        spec = importlib.util.find_spec(pkg)
+        roots = list(spec.submodule_search_locations or []) if spec else []
+        return [p for r in roots for p in Path(r).glob(pattern)]
+
+    if platform == "gpu":
+        plugin = under("jax_plugins", "xla_*/*.so")
+        return under("jaxlib", "libjax_common.so") + plugin if plugin else []
+    return under("libtpu", "*.so")
+
+
+def flags_defined_in(libraries: list[Path]):
+    """A predicate: is this flag name a NUL-terminated string in every library? Flag tables hold
+    their names as C strings; removed flags survive only inside proto descriptors (not NUL-ended)."""
+    def defined(name: str) -> bool:
+        if not libraries:
+            return False
+        for lib in libraries:
+            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if m.find(name.encode() + b"\0") < 0:
+                    return False
+        return True
+    return defined
+
+
+def apply_overlap_flags(platform: str | None, environ=os.environ) -> str | None:
+    """Add the overlap flags for `platform` to its flag variable in `environ`; the line to print."""
+    if platform not in FLAG_ENV:
+        return None
+    var = FLAG_ENV[platform]
+    libraries = _libraries(platform)
+    updated, added = with_overlap_flags(environ.get(var, ""), platform, flags_defined_in(libraries))
+    if not libraries:
+        return f"parallax: {var}: no {platform} XLA library found to check the overlap flags against; none set"
+    if added:
+        environ[var] = updated
+        return f"parallax: {var} += {' '.join(added)} (collective/compute overlap; set them yourself to override)"
+    return None
