@@ -118,6 +118,7 @@ class TrainConfig:
     eval_batches: int = 2
     log_every: int = 1
     max_bad_steps: int = 10  # consecutive non-finite (skipped) steps that stop the run
+    noise_scale: bool = False  # estimate the gradient noise scale from per-batch-shard gradients (train_step.py)
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,26 @@ def validate(cfg: Config, sizes: dict[str, int]) -> None:
     if cfg.data.source == "stdlib" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 256 for data.source='stdlib' (bytes)")
     _validate_fp8(cfg, sizes)
+    _validate_noise_scale(cfg, sizes)
+
+
+def _validate_noise_scale(cfg: Config, sizes: dict[str, int]) -> None:
+    """train.noise_scale needs two batch sizes: a batch shard's and the global batch's."""
+    if not cfg.train.noise_scale:
+        return
+    if sizes["pipe"] > 1 or cfg.parallel.microbatches > 1:  # the schedules compute gradients their own way
+        raise ConfigError(f"train.noise_scale: not with pipelining (mesh.pipe={sizes['pipe']}, parallel.microbatches="
+                          f"{cfg.parallel.microbatches}); use mesh.pipe=1 and parallel.microbatches=1")
+    if sizes["data"] * sizes["expert"] == 1:
+        raise ConfigError("train.noise_scale: needs mesh.data x mesh.expert > 1 (a batch shard smaller than the "
+                          "global batch is the second batch size)")
+    if sizes["expert"] > 1:  # the per-shard vmap cannot carry the expert all-to-all's shard_map
+        raise ConfigError(f"train.noise_scale: not with mesh.expert={sizes['expert']} (yet); use mesh.expert=1")
+    if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "ragged":
+        raise ConfigError("train.noise_scale: not with model.moe.dispatch='ragged' (yet); use dispatch=capacity")
+    if cfg.fp8.enabled:  # per-shard amaxes would change the quantisation of the full batch's tensors
+        raise ConfigError("train.noise_scale: not with fp8.enabled (per-shard gradients would quantise with "
+                          "per-shard amaxes)")
 
 
 FP8_COMPUTE_DTYPES = ("float32", "bfloat16")  # what parallax/fp8.py quantises from and returns
@@ -325,13 +346,11 @@ def _validate_fp8(cfg: Config, sizes: dict[str, int]) -> None:
         return
     if cfg.model.dtype not in FP8_COMPUTE_DTYPES:
         raise ConfigError(f"fp8.enabled: model.dtype={cfg.model.dtype!r} cannot be served (needs one of {FP8_COMPUTE_DTYPES})")
-    if sizes["pipe"] > 1 or cfg.parallel.microbatches > 1:
-        # The pipeline applies blocks outside the model's apply and would drop the fp8_meta
-        # collection; a shard_map stage also needs the amax pmax-ed over pipe (fp8.py, amax_axes).
-        raise ConfigError(
-            f"fp8.enabled: not supported with pipelining yet (mesh.pipe={sizes['pipe']}, "
-            f"parallel.microbatches={cfg.parallel.microbatches}); use mesh.pipe=1 and parallel.microbatches=1"
-        )
+    if (sizes["pipe"] > 1 or cfg.parallel.microbatches > 1) and cfg.parallel.schedule == "1f1b":
+        # 1F1B computes its own gradients; the FP8 state's "gradient" (its new value) is not
+        # threaded through its per-tick VJPs yet. GPipe and circular carry it (pipeline.py).
+        raise ConfigError("fp8.enabled: runs in the 'gpipe' and 'circular' pipeline schedules, "
+                          "not parallel.schedule='1f1b' (yet)")
 
 
 MOE_DISPATCH = ("capacity", "ragged")
@@ -376,13 +395,15 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"model.moe.capacity_factor: must be finite (<= 0 means dropless), got {e.capacity_factor}")
     if e.dispatch not in MOE_DISPATCH:
         raise ConfigError(f"model.moe.dispatch: must be one of {MOE_DISPATCH}, got {e.dispatch!r}")
-    if sizes["pipe"] > 1 or cfg.parallel.microbatches > 1:
-        raise ConfigError(
-            f"model.moe.num_experts: MoE layers are not supported with pipelining yet (mesh.pipe={sizes['pipe']}, "
-            f"parallel.microbatches={cfg.parallel.microbatches}); use mesh.pipe=1 and parallel.microbatches=1"
-        )
+    piped = sizes["pipe"] > 1 or cfg.parallel.microbatches > 1
+    if piped and cfg.parallel.schedule == "1f1b":
+        # 1F1B computes its own gradients and would need the router losses' cotangents per tick.
+        raise ConfigError("model.moe.num_experts: MoE layers run in the 'gpipe' and 'circular' pipeline schedules, "
+                          "not parallel.schedule='1f1b' (yet)")
     if e.dispatch == "ragged" and e.capacity_factor > 0:
         raise ConfigError("model.moe.dispatch='ragged' is dropless: set model.moe.capacity_factor=0 (or <= 0)")
+    if e.dispatch == "ragged" and cfg.fp8.enabled:  # ragged_dot takes no FP8 dot_general: refuse, not ignore
+        raise ConfigError("model.moe.dispatch='ragged' has no FP8 expert matmuls: use dispatch=capacity with fp8.enabled")
 
 
 def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:

@@ -144,6 +144,14 @@ class Transformer(nn.Module):
         return self.forward(tokens)[0]
 
 
+def moe_stat_shapes(c: ModelConfig, layers_per_chunk: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the stats a chunk of scanned units returns (moe.routing_stats, stacked); {} dense."""
+    if not c.moe.num_experts:
+        return {}
+    n = layers_per_chunk
+    return {"aux_loss": (n,), "z_loss": (n,), "dropped_fraction": (n,), "load": (n, c.moe.num_experts)}
+
+
 def moe_loss(stats: Stats, c: ModelConfig) -> jax.Array:
     """The routers' losses added to the training loss: each weight times its mean over MoE layers
     (a mean, so that one weight means the same at any depth); 0 for a dense model."""

@@ -10,8 +10,17 @@ token keeps only the residual (and the shared experts). capacity_factor <= 0 is 
 the most one expert can receive from a sequence. Because groups are sequences, the layout never
 changes which tokens drop: every mesh computes the same function.
 
+`dispatch='ragged'` (dropless only) replaces the slots by a grouped matmul: each device sorts its
+tokens' k assignments by expert and runs the experts as `jax.lax.ragged_dot` over the groups, so
+no compute is spent on the empty slots of the C = S worst case. With no drops the grouping cannot
+change the math: every token still gets sum_i g_i E_i(x) whatever tokens share its group, so this
+equals the capacity path with capacity_factor <= 0 (tests/test_moe.py); only the order of the
+sums inside each matmul differs. On this path routing is grouped per device, not per sequence,
+which matters for nothing but the rounding.
+
 Single-device math with logical names only. The one communication, moving each expert's slots
-to the device that holds the expert and back, is injected as `exchange` (expert_parallel.py).
+(or sorted tokens) to the device that holds the expert and back, is injected as `exchange`
+(expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -38,11 +47,30 @@ class Routing(NamedTuple):
     gates: jax.Array  # [G, S, k] float32 combine weights
 
 
+# A grouped expert FFN: (tokens [M, D] sorted by expert, group sizes [E'] int32, wi, wo) -> [M, D].
+Grouped = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# The ragged layer's local math: (x [G, S, D], experts [G, S, k], gates [G, S, k], wi, wo, through)
+# -> [G, S, D], where `through(ffn)` lifts a grouped FFN over the experts held here to one over
+# this device's tokens sorted by global expert (identity when every expert is here).
+RaggedLayer = Callable[..., jax.Array]
+
+
+def _run_here(layer: RaggedLayer, x, experts, gates, wi, wo) -> jax.Array:
+    return layer(x, experts, gates, wi, wo, lambda ffn: ffn)
+
+
 class Exchange(NamedTuple):
-    """Moves [G, E, C, D] slots to the devices holding their experts (`to_experts`) and back."""
+    """Moves [G, E, C, D] slots to the devices holding their experts (`to_experts`) and back.
+    `experts_here(E)`: how many experts the weights this code sees hold (E, or E/ep inside a
+    shard_map that is manual over the expert axis, e.g. a pipeline stage).
+    `ragged(layer, x, experts, gates, wi, wo)`: runs the ragged layer's local math where the
+    tokens and experts live (a shard_map over the batch axes), with a `through` that moves the
+    sorted tokens to their experts' devices and back."""
 
     to_experts: Callable[[jax.Array], jax.Array]
     from_experts: Callable[[jax.Array], jax.Array]
+    experts_here: Callable[[int], int] = lambda e: e
+    ragged: Callable[..., jax.Array] = _run_here
 
 
 LOCAL = Exchange(lambda x: x, lambda x: x)  # every expert on every device: nothing moves
@@ -146,15 +174,52 @@ def router_z_loss(logits: jax.Array) -> jax.Array:
 
 
 def routing_stats(routing: Routing, keep: jax.Array, logits: jax.Array) -> dict[str, jax.Array]:
-    """Per-layer scalars for metrics.jsonl (load counts assignments before drops)."""
+    """Per-layer figures for metrics.jsonl. Means over sequences or tokens, and `load` as counts
+    (assignments per expert before drops, [E]), so that microbatches and batch shards combine
+    exactly (pipeline.py); the metric is max/mean of the counts (train_step.moe_metrics)."""
     e = routing.probs.shape[-1]
-    load = jnp.sum(jax.nn.one_hot(routing.experts, e, dtype=jnp.float32), axis=(0, 1, 2))  # [E]
     return {
         "aux_loss": load_balancing_loss(routing),
         "z_loss": router_z_loss(logits),
         "dropped_fraction": 1.0 - jnp.mean(keep.astype(jnp.float32)),
-        "load_max_over_mean": jnp.max(load) / jnp.mean(load),
+        "load": jnp.sum(jax.nn.one_hot(routing.experts, e, dtype=jnp.float32), axis=(0, 1, 2)),
     }
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """[G, S, k] experts -> (order [N]: the N = G*S*k assignments grouped by expert, token order
+    within a group; group sizes [E] int32)."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return order, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Array) -> jax.Array:
+    """[M, D] tokens sorted by expert (group i: the next group_sizes[i] rows) -> [M, D], each row
+    through its group's SwiGLU expert (wi [E', D, 2, F], wo [E', F, D]). Rows past
+    sum(group_sizes) (padding of a static buffer) belong to no group; their output is not used.
+    Gate and up are two ragged_dots, not one over a reshaped [E', D, 2F] weight: F may be sharded
+    (over tensor) and merging it with the 2 would force a reshard."""
+    dtype = x.dtype
+    gate = jax.lax.ragged_dot(x, wi[:, :, 0, :].astype(dtype), group_sizes, preferred_element_type=dtype)  # [M, F]
+    up = jax.lax.ragged_dot(x, wi[:, :, 1, :].astype(dtype), group_sizes, preferred_element_type=dtype)
+    return jax.lax.ragged_dot(nn.silu(gate) * up, wo.astype(dtype), group_sizes, preferred_element_type=dtype)
+
+
+def ragged_layer(num_experts: int) -> RaggedLayer:
+    """The ragged path's local math on one device's tokens (see RaggedLayer)."""
+
+    def layer(x, experts, gates, wi, wo, through) -> jax.Array:
+        g, s, d = x.shape
+        k = experts.shape[-1]
+        order, sizes = sort_by_expert(experts, num_experts)  # [N], [E]
+        tokens = x.reshape(g * s, d)[order // k]  # [N, D]: assignment n is token n // k
+        out = through(grouped_swiglu)(tokens, sizes, wi, wo)  # [N, D] in sorted order
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+        out = out[inverse].reshape(g, s, k, d)  # back to (token, choice) order: a gather, not a scatter
+        return jnp.einsum("gskd,gsk->gsd", out, gates.astype(x.dtype))
+
+    return layer
 
 
 class MoE(nn.Module):
@@ -180,13 +245,16 @@ class MoE(nn.Module):
         router = self._kernel("router", (d, e), ("embed", None), self.init_std)
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router)  # fp32 routing
         routing = route(logits, c.top_k, c.renormalize)
+        if c.dispatch == "ragged":
+            return self._ragged(x, routing, logits)
         cap = capacity(t, e, c.top_k, c.capacity_factor)
         slot, keep = assign_slots(routing, e, cap)
 
         slots = constrain(dispatch(x.astype(self.dtype), routing, slot, keep, cap), SLOTS)  # [B, E, C, D]
         slots = constrain(self.exchange.to_experts(slots), EXPERT_SLOTS)
-        wi = self._kernel("wi", (e, d, 2, f), ("exp", "embed", None, "mlp"), self.init_std)
-        wo = self._kernel("wo", (e, f, d), ("exp", "mlp", "embed"), self.out_std)
+        e_here = self.exchange.experts_here(e)
+        wi = self._kernel("wi", (e_here, d, 2, f), ("exp", "embed", None, "mlp"), self.init_std)
+        wo = self._kernel("wo", (e_here, f, d), ("exp", "mlp", "embed"), self.out_std)
         # One batched matmul over the local experts: [B, E, C, D] x [E, D, 2, F] -> [E, B, C, 2, F].
         # Two dot_general instances: each FP8 operand keeps its own scale and history.
         gate_up = _dot_general(self.dot_general)(slots, wi.astype(self.dtype), (((3,), (1,)), ((1,), (0,))), preferred_element_type=self.dtype)
@@ -197,4 +265,20 @@ class MoE(nn.Module):
         y = combine(out, routing, slot, keep)  # [B, T, D]
         if c.shared_experts:
             y = y + MLP(c.shared_experts * f, self.init_std, self.out_std, self.dtype, self.dot_general, name="shared")(x)
+        return y.astype(self.dtype), routing_stats(routing, keep, logits)
+
+    def _ragged(self, x: jax.Array, routing: Routing, logits: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        c = self.cfg
+        if c.capacity_factor > 0:
+            raise ValueError("model.moe.dispatch='ragged' is dropless: capacity_factor must be <= 0")
+        if self.dot_general is not None:  # refuse rather than silently run the experts un-FP8'd
+            raise ValueError("model.moe.dispatch='ragged' runs its experts with ragged_dot, which has no FP8 path")
+        d, e, f = x.shape[-1], c.num_experts, self.d_ff
+        e_here = self.exchange.experts_here(e)
+        wi = self._kernel("wi", (e_here, d, 2, f), ("exp", "embed", None, "mlp"), self.init_std)
+        wo = self._kernel("wo", (e_here, f, d), ("exp", "mlp", "embed"), self.out_std)
+        y = self.exchange.ragged(ragged_layer(e), x.astype(self.dtype), routing.experts, routing.gates, wi, wo)
+        if c.shared_experts:
+            y = y + MLP(c.shared_experts * f, self.init_std, self.out_std, self.dtype, self.dot_general, name="shared")(x)
+        keep = jnp.ones(routing.experts.shape, bool)  # dropless
         return y.astype(self.dtype), routing_stats(routing, keep, logits)

@@ -19,6 +19,7 @@ stage's outputs reach every stage through one psum over `pipe`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,8 +28,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from parallax.config import ParallelConfig
-from parallax.mesh import PIPE
-from parallax.model import Transformer, remat_policy, stack_unit
+from parallax.fp8 import FP8_COLLECTION
+from parallax.mesh import DATA, PIPE
+from parallax.model import Transformer, moe_stat_shapes, remat_policy, stack_unit
 from parallax.sharding import BATCH_AXES, keep_axes
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
@@ -123,17 +125,23 @@ def stage_specs(layer_specs: Any) -> Any:
 # The pipelined forward pass
 
 
-def _stage_fn(model: Transformer) -> Callable[[Any, jax.Array], jax.Array]:
-    """(chunk params [Lc, ...], x [b, T, D]) -> x: the chunk's layers in order."""
-    block = stack_unit(model.cfg)(model.cfg, model.dot_general)
+def _stage_fn(model: Transformer) -> Callable[[Any, jax.Array, Any], tuple[jax.Array, dict]]:
+    """(chunk params [Lc, ...], x [b, T, D], chunk FP8 state or None) -> (x, MoE stats [Lc, ...]):
+    the chunk's units in order. Inside the stage's shard_map the activations are sharded over the
+    manual batch axes, so FP8 amaxes are pmax-ed over them (fp8.py's `amax_axes` hook)."""
+    dot_general = model.dot_general
+    if dot_general is not None:
+        dot_general = functools.partial(dot_general, amax_axes=tuple(BATCH_AXES))
+    block = stack_unit(model.cfg)(model.cfg, dot_general)
 
-    def layer(x: jax.Array, params: Any) -> tuple[jax.Array, None]:
-        return block.apply({"params": params}, x)[0], None
+    def layer(x: jax.Array, params_fp8: tuple[Any, Any]) -> tuple[jax.Array, dict]:
+        params, fp8 = params_fp8
+        return block.apply({"params": params, **({FP8_COLLECTION: fp8} if fp8 is not None else {})}, x)
 
     policy = remat_policy(model.remat)
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-    return lambda chunk, x: jax.lax.scan(layer, x, chunk)[0]
+    return lambda chunk, x, fp8=None: jax.lax.scan(layer, x, (chunk, fp8))
 
 
 def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -141,10 +149,23 @@ def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _merge_halves(stats: list[dict]) -> dict:
+    """Stats of the half-microbatches of one tick: counts add, per-token means average."""
+    if len(stats) == 1:
+        return stats[0]
+    return {k: sum(st[k] for st in stats) / (1 if k == "load" else len(stats)) for k in stats[0]}
+
+
 def run_pipeline(
-    model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh, layers: Any, layer_specs: Any, x: jax.Array
-) -> jax.Array:
-    """The block stack on [B, T, D] activations with stage-layout `layers`; returns [B, T, D].
+    model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh, layers: Any, layer_specs: Any, x: jax.Array,
+    fp8: Any = None,
+) -> tuple[jax.Array, dict]:
+    """The block stack on [B, T, D] activations with stage-layout `layers`; returns ([B, T, D],
+    MoE stats per unit of the stack, layer-major, combined over microbatches and batch shards).
+
+    `fp8`: the stack's FP8 state (fm32, stage layout [R, P, Lc, ...]) or None. Each stage gets its
+    own layers' state; every use of it (ticks, half-microbatches) combines by max through fm32's
+    autodiff, and bubble ticks run on zeros so that their amax (0) never wins.
 
     `layer_specs`: the mesh PartitionSpecs the stage-layout parameters are stored with.
 
@@ -164,15 +185,19 @@ def run_pipeline(
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
 
     def gather_zero3(c: jax.Array, spec: P) -> jax.Array:
-        # ZeRO-3 stores weights sharded over the batch axes: gather each once per step, not per tick.
+        # ZeRO-3 stores weights sharded over `data`: gather each once per step, not per tick.
+        # (Expert weights stay sharded over `expert`: each device runs its own experts.)
         for dim, entry in enumerate(spec):
-            axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in BATCH_AXES)
+            axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a == DATA)
             if axes:
                 c = jax.lax.all_gather(c, axes, axis=dim, tiled=True)
         return c[:, 0]  # [R, 1, Lc, ...] -> [R, Lc, ...]
 
-    def body(chunks: Any, micro: jax.Array) -> jax.Array:
+    stat_shapes = moe_stat_shapes(model.cfg, layers_per_chunk=jax.tree.leaves(layers)[0].shape[2])
+
+    def body(chunks: Any, micro: jax.Array, fp8_chunks: Any) -> tuple[jax.Array, dict]:
         chunks = jax.tree.map(gather_zero3, chunks, param_specs, is_leaf=lambda a: isinstance(a, P))
+        fp8_chunks = jax.tree.map(lambda c: c[:, 0], fp8_chunks)  # [R, 1, Lc, ...] -> [R, Lc, ...]
         s = jax.lax.axis_index(PIPE)
         # Mark inputs varying here, once, outside the tick loop: the transpose of this cast is the
         # reduction of their cotangents (weights over the batch axes, microbatches over `pipe`),
@@ -181,7 +206,7 @@ def run_pipeline(
         micro = _vary(micro, (PIPE,))
 
         def tick(carry, tick_index):
-            state, outputs = carry
+            state, outputs, acc = carry
             k = tick_index - s
             busy = (k >= 0) & (k < r * m)
             k = jnp.clip(k, 0, r * m - 1)
@@ -189,42 +214,65 @@ def run_pipeline(
             rep, i = rest // p, group * p + rest % p
             fresh = jax.lax.dynamic_index_in_dim(micro, i, keepdims=False)
             inp = jnp.where((s == 0) & (rep == 0), fresh, state)
+            if fp8 is not None:  # a bubble tick's amaxes must be 0 (see the docstring)
+                inp = jnp.where(busy, inp, jnp.zeros_like(inp))
             if r == 1:  # a loop-invariant chunk: its residual is not stacked per tick
-                chunk = jax.tree.map(lambda c: c[0], chunks)
+                chunk, fp8_chunk = jax.tree.map(lambda c: c[0], (chunks, fp8_chunks))
             else:  # KNOWN COST: the backward keeps this slice per tick (BUILD_NOTES.md)
-                chunk = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, rep, keepdims=False), chunks)
+                chunk, fp8_chunk = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, rep, keepdims=False),
+                                                (chunks, fp8_chunks))
             # Two half-microbatches per tick, each sent as soon as it is computed: the first
             # half's send depends on nothing the second half computes, so on accelerators the
             # collective-permute runs behind the second half's compute (async start/done pair).
             halves = jnp.split(inp, 2) if inp.shape[0] % 2 == 0 else [inp]
-            outs = [stage(chunk, h) for h in halves]
+            results = [stage(chunk, h, fp8_chunk if fp8 is not None else None) for h in halves]
+            outs = [o for o, _ in results]
+            stats = _merge_halves([st for _, st in results])
+            # Stats of chunk `rep` on this microbatch; a bubble tick adds nothing.
+            acc = {k: acc[k].at[rep].add(jnp.where(busy, v, 0)) for k, v in stats.items()}
             sent = [jax.lax.ppermute(o, PIPE, ring) for o in outs]
             out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
             done = busy & (s == p - 1) & (rep == r - 1)
             prev = jax.lax.dynamic_index_in_dim(outputs, i, keepdims=False)
             outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, out, prev), i, 0)
-            return (jnp.concatenate(sent) if len(sent) > 1 else sent[0], outputs), None
+            return (jnp.concatenate(sent) if len(sent) > 1 else sent[0], outputs, acc), None
 
-        init = (jnp.zeros_like(micro[0]), jnp.zeros_like(micro))
-        (_, outputs), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
-        return jax.lax.psum(outputs, PIPE)  # only the last stage wrote non-zeros
+        acc = {k: _vary(jnp.zeros((r, *shape), jnp.float32), tuple(manual)) for k, shape in stat_shapes.items()}
+        init = (jnp.zeros_like(micro[0]), jnp.zeros_like(micro), acc)
+        (_, outputs, acc), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+        # Per-token means average over microbatches and the (equal) batch shards; counts add.
+        acc = {k: jax.lax.psum(v, BATCH_AXES) if k == "load" else jax.lax.pmean(v / m, BATCH_AXES)
+               for k, v in acc.items()}
+        acc = {k: v[:, None] for k, v in acc.items()}  # [R, Lc, ...] -> [R, 1 (this stage), Lc, ...]
+        return jax.lax.psum(outputs, PIPE), acc  # only the last stage wrote non-zero outputs
 
     act_spec = P(None, BATCH_AXES)
-    out = jax.shard_map(
-        body, mesh=mesh, in_specs=(param_specs, act_spec), out_specs=act_spec, axis_names=manual
-    )(layers, micro)
-    return out.swapaxes(0, 1).reshape(b, t, d)  # [M, B/M, T, D] -> [B, T, D]
+    fp8_in = {} if fp8 is None else fp8
+    out, stats = jax.shard_map(
+        body, mesh=mesh, in_specs=(param_specs, act_spec, P(None, PIPE)), out_specs=(act_spec, P(None, PIPE)),
+        axis_names=manual,
+    )(layers, micro, fp8_in)
+    # [R, P, Lc, ...] -> [L_units, ...]: chunk v = rep * P + stage holds units v*Lc .. (v+1)*Lc - 1
+    stats = {k: v.reshape(-1, *v.shape[3:]) for k, v in stats.items()}
+    return out.swapaxes(0, 1).reshape(b, t, d), stats  # [M, B/M, T, D] -> [B, T, D]
 
 
 def make_pipelined_apply(
     model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh, layer_specs: Any
 ) -> Callable[[Any, jax.Array], jax.Array]:
-    """(params with stage-layout 'layers', tokens [B, T]) -> (logits [B, T, V], {})."""
+    """(params with stage-layout 'layers', tokens [B, T], FP8 collection or None) ->
+    (logits [B, T, V], MoE stats). The FP8 state stays layer-major in the train state (it is
+    small and replicated); it is reshaped to the stage layout here, inside the loss."""
 
-    def apply(params: Any, tokens: jax.Array) -> tuple[jax.Array, dict]:
+    def apply(params: Any, tokens: jax.Array, fp8: Any = None) -> tuple[jax.Array, dict]:
         outer = {k: v for k, v in params.items() if k != "layers"}
-        x = model.apply({"params": outer}, tokens, method=Transformer.embed_tokens)
-        x = run_pipeline(model, schedule, mesh, params["layers"], layer_specs, x)
-        return model.apply({"params": outer}, x, method=Transformer.head), {}
+        fp8 = fp8 or {}
+        outer_vars = {"params": outer}
+        if fp8.get("logits") is not None or fp8.get("embed") is not None:
+            outer_vars[FP8_COLLECTION] = {k: v for k, v in fp8.items() if k != "layers"}
+        x = model.apply(outer_vars, tokens, method=Transformer.embed_tokens)
+        stack_fp8 = to_stages(fp8["layers"], schedule) if "layers" in fp8 else None
+        x, stats = run_pipeline(model, schedule, mesh, params["layers"], layer_specs, x, stack_fp8)
+        return model.apply(outer_vars, x, method=Transformer.head), stats
 
     return apply

@@ -1,7 +1,8 @@
 """`parallax plan`: which layout should this model use on these devices?
 
     parallax plan (EXPERIMENT.py | --preset NAME) [--set key=value ...] --devices N --device TYPE
-                  [--devices-per-host K] [--attention xla|fused] [--noise-scale B] [--top K] [--json]
+                  [--devices-per-host K] [--attention xla|fused] [--noise-scale B | --noise-scale-from DIR]
+                  [--top K] [--json]
 
 Searches every (data, tensor, pipe, expert) with product N that the model's shapes divide, every
 ZeRO stage, microbatch count, pipeline schedule (and circular repeats) and remat policy, and ranks
@@ -34,6 +35,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -301,20 +303,43 @@ def _no_factorization(w: Workload, n: int) -> str:
                f"data x expert the batch; MoE layouts keep pipe=1)" if m.moe.num_experts else ""))
 
 
-def cap_batch(global_batch: int, noise_scale: float) -> tuple[int, str | None]:
+def cap_batch(global_batch: int, noise_scale: float, splittable=lambda batch: True) -> tuple[int, str | None]:
     """The global batch capped near the gradient noise scale B_simple (McCandlish et al. 2018):
     beyond it a bigger batch buys little more progress per step, so the extra data parallelism is
-    wasted. Returns (batch, message or None)."""
+    wasted. Halves while above 2x B_simple and `splittable(half)` (some layout on the devices can
+    split it: early in training B_simple can be a few sequences). Returns (batch, message or None)."""
     if noise_scale <= 0:
         raise UserError(f"--noise-scale: must be positive, got {noise_scale}")
     if global_batch <= 2 * noise_scale:
         return global_batch, None
-    capped = global_batch
+    capped, floor = global_batch, ""
     while capped > 2 * noise_scale and capped % 2 == 0:
+        if not splittable(capped // 2):
+            floor = " (the smallest these devices can split)"
+            break
         capped //= 2
     return capped, (f"train.global_batch={global_batch} is {global_batch / noise_scale:.1f}x the gradient noise "
                     f"scale {noise_scale:g}: past ~2x it, a step's progress barely grows with the batch "
-                    f"(wasted data parallelism); planning with global batch {capped}")
+                    f"(wasted data parallelism); planning with global batch {capped}{floor}")
+
+
+def noise_scale_from(workdir: str) -> float:
+    """The last `noise_scale` (B_simple, sequences) a `train.noise_scale=true` run logged."""
+    path = Path(workdir) / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"--noise-scale-from {workdir!r}: no metrics.jsonl there")
+    values = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            value = json.loads(line).get("noise_scale") if line.strip() else None
+        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+            continue
+        if isinstance(value, (int, float)) and value > 0:
+            values.append(float(value))
+    if not values:
+        raise UserError(f"--noise-scale-from {workdir!r}: {path} holds no noise_scale value (train with "
+                        "--set train.noise_scale=true for enough steps that the estimate is defined)")
+    return values[-1]
 
 
 def explain(row: dict, dev: Device, per_host: int, n: int) -> str:
@@ -359,6 +384,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", choices=("xla", "fused"), default="xla",
                    help="xla: parallax's attention today (materialised scores); fused: a flash-style kernel")
     p.add_argument("--noise-scale", type=float, help="gradient noise scale B_simple (sequences): cap the batch near it")
+    p.add_argument("--noise-scale-from", metavar="WORKDIR", help="the last noise_scale in WORKDIR/metrics.jsonl")
     p.add_argument("--top", type=int, default=5, help="layouts to show")
     p.add_argument("--json", action="store_true", help='print {"layouts": [...]} best first')
 
@@ -372,8 +398,12 @@ def plan_command(args: argparse.Namespace) -> int:
         raise UserError(f"--devices-per-host: must be positive, got {per_host}")
     w, cfg, note = _workload(args)
     notes = [note] if note else []
-    if args.noise_scale is not None:
-        batch, msg = cap_batch(w.global_batch, args.noise_scale)
+    if args.noise_scale is not None and args.noise_scale_from is not None:
+        raise UserError("plan: give --noise-scale or --noise-scale-from, not both")
+    noise_scale = noise_scale_from(args.noise_scale_from) if args.noise_scale_from is not None else args.noise_scale
+    if noise_scale is not None:
+        splittable = lambda b: np.size(candidates(dataclasses.replace(w, global_batch=b), args.devices).data) > 0  # noqa: E731
+        batch, msg = cap_batch(w.global_batch, noise_scale, splittable)
         if msg:
             notes.append(msg)
             w = dataclasses.replace(w, global_batch=batch)

@@ -96,7 +96,7 @@ def _layout_lines(cfg: Config, mesh) -> list[str]:
         "tensor": "heads, kv_heads, mlp, vocab (Megatron column/row split)",
         "pipe": f"pipeline stages; {cfg.parallel.schedule}, {cfg.parallel.microbatches} microbatches, "
                 f"{cfg.parallel.repeats} chunk(s) per stage",
-        "expert": "batch outside MoE layers",
+        "expert": f"{cfg.model.moe.num_experts} experts (all_to_all in each MoE layer); batch outside MoE layers",
     }
     lines = [f"mesh: {describe(mesh)}"]
     for a in AXES:
@@ -155,7 +155,7 @@ def run(cfg: Config, workdir: Path, overwrite: bool = False, fresh: bool = False
     from parallax.config import validate
     from parallax.data import make_global_batch, open_data
     from parallax.mesh import make_mesh
-    from parallax.metrics import MetricsWriter, Progress, mfu, peak_flops, tflops_per_device
+    from parallax.metrics import MetricsWriter, NoiseScale, Progress, mfu, peak_flops, tflops_per_device
     from parallax.model import count_params, flops_per_token
     from parallax.train_state import init_state, make_layout
     from parallax.train_step import batch_sharding, make_eval_step, make_train_step
@@ -205,6 +205,10 @@ def run(cfg: Config, workdir: Path, overwrite: bool = False, fresh: bool = False
     peak = peak_flops(mesh.devices.flat[0].device_kind)
     peak_fp8 = peak_flops(mesh.devices.flat[0].device_kind, fp8=True)
     n_dev = mesh.devices.size
+    # Gradient noise scale: per-shard (B / (data x expert) sequences) and global-batch gradient
+    # norms, EMA-smoothed here; restarts on resume (the EMA is not checkpointed).
+    noise = NoiseScale() if t.noise_scale else None
+    shard_batch = t.global_batch // (mesh.shape["data"] * mesh.shape["expert"])
 
     def evaluate() -> float:
         losses = [eval_step(state.params, make_global_batch(val_data, i, bsh), state.fp8) for i in range(t.eval_batches)]
@@ -250,6 +254,12 @@ def run(cfg: Config, workdir: Path, overwrite: bool = False, fresh: bool = False
             if cfg.fp8.enabled:  # MFU against the FP8 peak as well, and FP8 numerics per tensor kind
                 record["mfu_fp8"] = mfu(flops_per_step, dt, n_dev, peak_fp8)
                 record.update({k: v for k, v in metrics.items() if k.startswith("fp8_")})
+            record.update({k: v for k, v in metrics.items() if k.startswith("moe_")})  # routing, per MoE layer
+            if noise is not None:  # B_simple in sequences (null until defined); a skipped step does not feed it
+                small, big = metrics["grad_sq_small"], metrics["grad_sq_big"]
+                if metrics["finite"]:
+                    noise.update(small, big, shard_batch, t.global_batch)
+                record.update(noise_scale=noise.value, grad_sq_small=small, grad_sq_big=big)
             # The step already left the state as it was if this was false (train_step's guard).
             bad_run = 0 if metrics["finite"] else bad_run + 1
             skipped += int(not metrics["finite"])

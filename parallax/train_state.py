@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import Config, ConfigError
 from parallax.fp8 import FP8_COLLECTION, transformer_dot_generals
-from parallax.mesh import PIPE
+from parallax.mesh import EXPERT, PIPE
 from parallax.model import Transformer, cross_entropy
 from parallax.optim import make_optimizer
 from parallax.pipeline_1f1b import make_1f1b_value_and_grad
@@ -49,7 +49,8 @@ class Layout:
     abstract_state: TrainState
     state_shardings: TrainState
     schedule: Schedule | None  # the pipeline schedule; None when the stack is not pipelined
-    apply: Callable[[Any, jax.Array], tuple[jax.Array, dict]]  # (params, tokens [B, T]) -> (logits [B, T, V], MoE stats)
+    # (params, tokens [B, T], FP8 collection (fm32) or None) -> (logits [B, T, V], MoE stats)
+    apply: Callable[..., tuple[jax.Array, dict]]
     pin_params: bool = False  # stored sharded over data (ZeRO-3): gather where used (sharding.py)
     # (params, batch) -> (loss, grads) for schedules that compute their own gradients (1F1B).
     value_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]] | None = None
@@ -97,6 +98,11 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None 
     if schedule is not None and cfg.model.dtype == "bfloat16" and mesh.devices.flat[0].platform == "cpu":
         # XLA:CPU (jaxlib 0.10.2) aborts the process compiling a pipelined bf16 step: refuse first.
         raise ConfigError("model.dtype='bfloat16' with a pipelined layout crashes XLA:CPU; use float32 on CPU")
+    if (cfg.model.moe.num_experts and cfg.model.moe.dispatch == "ragged" and mesh.shape[EXPERT] > 1
+            and mesh.devices.flat[0].platform == "cpu"):
+        # The expert > 1 ragged exchange needs ragged_all_to_all, which XLA:CPU rejects (jax #34755).
+        raise ConfigError("model.moe.dispatch='ragged' with mesh.expert > 1 needs ragged_all_to_all, which XLA:CPU "
+                          "cannot run; on CPU use model.moe.dispatch=capacity with capacity_factor=0 (dropless)")
     logical_specs = nn.get_partition_spec(jax.eval_shape(lambda r: _init_boxed(model, cfg, r), jax.random.key(0)))
     param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
     value_and_grad = None
@@ -108,7 +114,9 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None 
         if schedule.name == "1f1b":  # the forward-only `apply` (evaluation) runs it as GPipe
             value_and_grad = make_1f1b_value_and_grad(model, schedule, mesh, layer_specs, cross_entropy)
     else:
-        apply = lambda params, tokens: model.apply({"params": params}, tokens, method=Transformer.forward)  # noqa: E731
+        def apply(params: Any, tokens: jax.Array, fp8: Any = None) -> tuple[jax.Array, dict]:
+            variables = {"params": params, **({FP8_COLLECTION: fp8} if fp8 else {})}
+            return model.apply(variables, tokens, method=Transformer.forward)
     params = jax.eval_shape(lambda r: _init_params(model, cfg, r, schedule), jax.random.key(0))
     opt_state = jax.eval_shape(tx.init, params)
     fp8 = jax.eval_shape(lambda r: _init_fp8(model, cfg, r), jax.random.key(0))

@@ -7,6 +7,7 @@ under ZeRO the optimizer update runs on the data-sharded state (reduce-scatter i
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -15,8 +16,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import Config
-from parallax.model import Transformer, cross_entropy, moe_loss
-from parallax.fp8 import fp8_metrics, fp8_variables, overwrite
+from parallax.model import cross_entropy, moe_loss
+from parallax.fp8 import FP8_COLLECTION, fp8_metrics, fp8_variables, overwrite
 from parallax.optim import make_schedule
 from parallax.sharding import BATCH_AXES, logical_context
 from parallax.train_state import Layout, TrainState
@@ -37,11 +38,8 @@ def make_loss_fn(layout: Layout) -> Callable[[Any, Batch, Any], tuple[jax.Array,
 
     def loss_fn(params: Any, batch: Batch, fp8: Any = None) -> tuple[jax.Array, Aux]:
         with logical_context(layout.mesh, layout.rules, pin_params=layout.pin_params):
-            if fp8:  # FP8 state enters as fm32 (fp8.py); config.validate keeps FP8 off pipelined layouts
-                variables = {"params": params, **fp8_variables(fp8)}
-                logits, stats = layout.model.apply(variables, batch["inputs"], method=Transformer.forward)
-            else:
-                logits, stats = layout.apply(params, batch["inputs"])
+            # FP8 state enters as fm32 here, before any loop over layers, ticks or microbatches (fp8.py)
+            logits, stats = layout.apply(params, batch["inputs"], fp8_variables(fp8).get(FP8_COLLECTION))
         ce = cross_entropy(logits, batch["targets"])
         return ce + moe_loss(stats, layout.model.cfg), (ce, stats)
 
@@ -66,14 +64,61 @@ def make_value_and_grad(layout: Layout) -> Callable[[Any, Batch, Any], tuple[tup
 
 
 def moe_metrics(stats: dict, every: int) -> dict[str, jax.Array]:
-    """Per MoE layer `moe_<stat>_layer<block index>`, plus the mean over layers `moe_<stat>`
-    (the worst layer for the load imbalance)."""
+    """Per MoE layer `moe_<name>_layer<block index>`, and over layers `moe_<name>` (the mean; the
+    worst layer for the load imbalance, max/mean tokens per expert)."""
+    if not stats:
+        return {}
+    stats = dict(stats)
+    load = stats.pop("load")  # [L_moe, E] assignments per expert
+    stats["load_max_over_mean"] = jnp.max(load, axis=-1) / jnp.mean(load, axis=-1)
     out = {}
     for name, per_layer in stats.items():
         out[f"moe_{name}"] = jnp.max(per_layer) if name == "load_max_over_mean" else jnp.mean(per_layer)
         for i in range(per_layer.shape[0]):
             out[f"moe_{name}_layer{(i + 1) * every - 1}"] = per_layer[i]
     return out
+
+
+# Logical names of the batch dimension: inside the per-shard vmap the shard axis carries the
+# batch axes, so the rows within one shard must not name them again.
+_BATCH_NAMES = ("batch", "activation_batch", "activation_batch_no_expert")
+
+
+def make_sharded_value_and_grad(layout: Layout, shards: int) -> Callable[..., tuple[tuple[jax.Array, Aux], tuple[Any, Any], dict]]:
+    """`make_value_and_grad`, plus the two squared gradient norms the noise scale needs
+    (train.noise_scale): the same (params, batch, fp8) -> ((loss, (ce, stats)), (grads, fp8), norms).
+
+    The batch [B, T] is viewed as [n, B/n, T], n = `shards` = data x expert, and the loss's
+    gradient is vmapped over the shards with dim 0 on the batch axes: each device differentiates
+    its own B/n sequences, the work data parallelism does anyway, and no extra forward/backward
+    runs. The update uses G, the mean of the shard gradients (= the full-batch gradient: every
+    loss term is a mean over equal-sized shards' sequences or tokens); the mean over dim 0 is the
+    usual gradient all-reduce, after the backward pass instead of inside its layer loop.
+    norms: `grad_sq_small` = mean over shards of |g_shard|^2 (batch B/n), `grad_sq_big` = |G|^2
+    (batch B); their per-device partial sums over tensor-sharded parameters reduce as scalars.
+    Dense and MoE layers without the expert all-to-all only, no FP8 state (config.validate).
+    """
+    rules = tuple((name, None if name in _BATCH_NAMES else axes) for name, axes in layout.rules)
+    loss_fn = make_loss_fn(dataclasses.replace(layout, rules=rules))
+    # Only the batch axes of size > 1: a size-1 `expert` axis still names the MoE slots' expert
+    # dimension inside, and vmap refuses an axis used both for the shards and within them.
+    axes = tuple(a for a in BATCH_AXES if layout.mesh.shape[a] > 1)
+    per_shard = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0, None), spmd_axis_name=axes)
+    split_spec = NamedSharding(layout.mesh, P(axes, None, None))
+
+    def value_and_grad(params: Any, batch: Batch, fp8: Any) -> tuple[tuple[jax.Array, Aux], tuple[Any, Any], dict]:
+        # Row block k of the batch is shard k, already on the devices of batch-shard k: no copy.
+        split = {k: jax.lax.with_sharding_constraint(v.reshape(shards, v.shape[0] // shards, *v.shape[1:]), split_spec)
+                 for k, v in batch.items()}
+        (losses, (ces, stats)), shard_grads = per_shard(params, split, fp8)
+        sq = [jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim))) for g in jax.tree.leaves(shard_grads)]
+        grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), shard_grads)
+        # Expert load is a count: the batch's is the shards' sum; every other statistic is a mean.
+        stats = {k: jnp.sum(v, axis=0) if k == "load" else jnp.mean(v, axis=0) for k, v in stats.items()}
+        norms = {"grad_sq_small": jnp.mean(sum(sq)), "grad_sq_big": optax.tree.norm(grads, squared=True)}
+        return (jnp.mean(losses), (jnp.mean(ces), stats)), (grads, fp8), norms
+
+    return value_and_grad
 
 
 def make_grad_fn(layout: Layout) -> Callable[[Any, Batch], tuple[jax.Array, Any]]:
@@ -94,10 +139,13 @@ def make_grad_fn(layout: Layout) -> Callable[[Any, Batch], tuple[jax.Array, Any]
 
 def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     value_and_grad = make_value_and_grad(layout)
+    if cfg.train.noise_scale:  # per-shard gradients too; the metrics gain grad_sq_small/big
+        shards = layout.mesh.shape[BATCH_AXES[0]] * layout.mesh.shape[BATCH_AXES[1]]
+        value_and_grad = make_sharded_value_and_grad(layout, shards)
     schedule = make_schedule(cfg)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        (loss, (ce, stats)), (grads, fp8_new) = value_and_grad(state.params, batch, state.fp8)
+        (loss, (ce, stats)), (grads, fp8_new), *norms = value_and_grad(state.params, batch, state.fp8)
         fp8 = overwrite(state.fp8, fp8_new)
         updates, opt_state = layout.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -105,7 +153,7 @@ def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch]
         # "loss" is the cross-entropy, comparable across dense and MoE runs; the router losses
         # that training also minimises are reported per layer beside it.
         metrics = {"loss": ce, "grad_norm": grad_norm, "lr": schedule(state.step), **fp8_metrics(fp8),
-                   **moe_metrics(stats, cfg.model.moe.every)}
+                   **moe_metrics(stats, cfg.model.moe.every), **(norms[0] if norms else {})}
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8)
         # NaN/inf guard: a non-finite loss or gradient skips the update (state as it was) but still
         # counts the step, so the data position moves past the bad batch. A select, not a cond:

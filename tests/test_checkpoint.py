@@ -236,6 +236,7 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(reference, tmp_path
     ("model.n_heads=4", ["model.n_heads=4", "model.n_heads=2"]),
     ("model.d_ff=128", ["model.d_ff=128", "model.d_ff=64"]),
     ("train.seed=1", ["train.seed=1", "train.seed=0"]),
+    ("model.moe.num_experts=4", ["model.moe.num_experts=4", "model.moe.num_experts=0"]),  # dense -> MoE
     ("optim.clip_norm=0.0", ["does not fit this config", "opt_state/"]),  # caught by the shape check
 ])
 def test_structural_change_is_refused_and_touches_nothing(reference, tmp_path, capsys, override, needles):

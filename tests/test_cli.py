@@ -115,6 +115,19 @@ MODEL_CASES = [
     ("batch-not-divisible-by-data-4", ["mesh.data=4", "mesh.tensor=2", "train.global_batch=6"],
      ["train.global_batch=6", "mesh.data x mesh.expert = 4"]),
     ("batch-zero", ["train.global_batch=0"], ["train.global_batch", "positive", "0"]),
+    # MoE (model.moe.*)
+    ("expert-axis-without-experts", ["mesh.data=2", "mesh.expert=2"], ["mesh.expert=2", "model.moe.num_experts"]),
+    ("top-k-above-experts", ["model.moe.num_experts=4", "model.moe.top_k=5"],
+     ["model.moe.top_k=5", "model.moe.num_experts=4"]),
+    ("experts-not-divisible-by-expert-axis", ["mesh.data=1", "mesh.expert=4", "model.moe.num_experts=6"],
+     ["model.moe.num_experts=6", "mesh.expert=4", "divisible"]),
+    ("moe-every-not-dividing-layers", ["model.moe.num_experts=4", "model.moe.every=2"],
+     ["model.moe.every=2", "model.n_layers=1"]),
+    ("moe-with-1f1b", ["mesh.data=2", "mesh.pipe=2", "parallel.microbatches=2", "parallel.schedule=1f1b",
+                       "model.moe.num_experts=4"], ["model.moe", "1f1b"]),
+    ("moe-bad-dispatch", ["model.moe.num_experts=4", "model.moe.dispatch=sorted"], ["model.moe.dispatch", "sorted"]),
+    ("moe-negative-aux-weight", ["model.moe.num_experts=4", "model.moe.aux_loss_weight=-1.0"],
+     ["model.moe.aux_loss_weight", ">= 0"]),
 ]
 
 SET_CASES = [
@@ -127,6 +140,9 @@ SET_CASES = [
     ("float-given-word", ["train.lr=fast"], ["train.lr", "expected float", "fast"]),
     ("bool-given-word", ["model.tie_embeddings=maybe"], ["model.tie_embeddings", "expected bool", "maybe"]),
     ("bool-given-int", ["model.tie_embeddings=1"], ["model.tie_embeddings", "expected bool"]),
+    ("nested-unknown-field", ["model.moe.experts=4"], ["unknown config key", "model.moe.experts", "num_experts"]),
+    ("nested-section-given-value", ["model.moe=4"], ["unknown config key", "model.moe", "a section"]),
+    ("nested-wrong-type", ["model.moe.top_k=two"], ["model.moe.top_k", "expected int", "two"]),
 ]
 
 

@@ -22,7 +22,7 @@ import pytest
 from flax.linen import fp8_ops
 from jax.sharding import PartitionSpec as P
 
-from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, validate
+from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig, validate
 from parallax.fp8 import FP8_COLLECTION, Fp8DotGeneral, combine, fp8_metrics, fp8_variables, overwrite
 from parallax.mesh import available_devices, make_mesh
 from parallax.train import main
@@ -321,7 +321,7 @@ TINY = Config(
 
 
 def _train(cfg, devices, steps=2):
-    mesh = make_mesh(cfg.mesh, devices)
+    mesh = make_mesh(cfg.mesh, devices)  # devices None: all of them
     validate(cfg, dict(mesh.shape))
     layout = make_layout(cfg, mesh)
     state = init_state(cfg, layout)
@@ -354,6 +354,41 @@ def test_fp8_state_after_steps_is_the_same_on_one_device_and_data2_tensor2(runs)
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7, err_msg=name)
     for leaf, sharding in zip(jax.tree.leaves(b), jax.tree.leaves(dt["layout"].state_shardings.fp8)):
         assert sharding.spec == P() and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+
+
+# FP8 experts inside pipeline stages: every block MoE, 4 units, so that GPipe (2 stages) and the
+# circular schedule (2 stages x 2 repeats) split the same model.
+PIPE_MODEL = dataclasses.replace(TINY.model, n_layers=4, moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.0))
+PIPELINED = {
+    "gpipe_data2_pipe2_expert2": (MeshConfig(data=2, pipe=2, expert=2), ParallelConfig(microbatches=2)),
+    "circular_tensor2_pipe2_expert2": (MeshConfig(data=1, tensor=2, pipe=2, expert=2),
+                                       ParallelConfig(microbatches=2, schedule="circular", repeats=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def pipe_reference():
+    return _train(dataclasses.replace(TINY, model=PIPE_MODEL, mesh=MeshConfig(data=1)), available_devices(1), steps=1)
+
+
+@pytest.mark.parametrize("name", list(PIPELINED))
+def test_fp8_state_inside_pipeline_stages_equals_one_device(pipe_reference, name):
+    """The pipeline carries the FP8 state through its stages: after one step every layer's amax
+    history and scale equal the unpipelined run's (the amax pmax-ed over the stage's batch shards,
+    max-combined over ticks and microbatches, never summed)."""
+    mesh, parallel = PIPELINED[name]
+    got = _train(dataclasses.replace(TINY, model=PIPE_MODEL, mesh=mesh, parallel=parallel), None, steps=1)
+    np.testing.assert_allclose(float(got["metrics"]["loss"]), float(pipe_reference["metrics"]["loss"]), rtol=1e-6)
+    a, b = pipe_reference["state"].fp8, got["state"].fp8
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        name = jax.tree_util.keystr(path)
+        if "stats" in name:  # fractions at the FP8 limits: the pipeline reports the largest of
+            # its microbatches' fractions (uses combine by max), the plain step the whole batch's
+            np.testing.assert_allclose(x, y, atol=0.05, err_msg=name)
+        else:
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert float(jnp.max(b["layers"]["moe"]["Fp8DotGeneral_0"]["input_amax_history"][:, 0])) > 0  # experts are FP8
 
 
 def test_train_step_updates_the_fp8_state_and_reports_telemetry(runs):
@@ -402,11 +437,12 @@ def test_model_wiring_embedding_never_fp8_logits_only_when_asked():
     (Fp8Config(enabled=True, margin=-1.0), {}, "fp8.margin"),
     (Fp8Config(enabled=True, recipe="tensorwise"), {}, "fp8.recipe"),
     (Fp8Config(enabled=False, logits=True), {}, "fp8.logits"),
-    (Fp8Config(enabled=True), {"pipe": 2, "data": 4}, "mesh.pipe=2"),
+    (Fp8Config(enabled=True), {"pipe": 2, "data": 4}, "1f1b"),
 ])
 def test_bad_fp8_config_names_the_field(fp8, sizes, field):
     sizes = {"data": 8, "tensor": 1, "pipe": 1, "expert": 1, **sizes}
-    cfg = dataclasses.replace(TINY, fp8=fp8, parallel=ParallelConfig(microbatches=2) if sizes["pipe"] > 1 else ParallelConfig())
+    piped = ParallelConfig(microbatches=2, schedule="1f1b")
+    cfg = dataclasses.replace(TINY, fp8=fp8, parallel=piped if sizes["pipe"] > 1 else ParallelConfig())
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as e:
         validate(cfg, sizes)
     assert "\n" not in str(e.value)

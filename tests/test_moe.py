@@ -6,6 +6,7 @@ device as tests/test_equivalence.py (loss rtol 1e-6, gradients rtol 1e-4 of each
 """
 
 import dataclasses
+import json
 import math
 
 import flax.linen as nn
@@ -19,6 +20,8 @@ from parallax.config import Config, MeshConfig, ModelConfig, MoEConfig, OptimCon
 from parallax.mesh import available_devices, make_mesh
 from parallax.model import Transformer, active_params, count_params, flops_per_token
 from parallax.moe import MoE, assign_slots, capacity, load_balancing_loss, route, router_z_loss
+from parallax.pipeline import to_layer_major
+from parallax.sharding import logical_context
 from parallax.train_state import init_state, make_layout
 from parallax.train_step import batch_sharding, make_grad_fn
 
@@ -88,7 +91,7 @@ def test_drops_follow_router_probability_and_pass_through_the_residual():
     assert np.all(y[1] == 0) and np.all(y[2] == 0)
     assert np.abs(y[0]).max() > 0 and np.abs(y[3]).max() > 0
     assert float(stats["dropped_fraction"]) == 0.5
-    assert float(stats["load_max_over_mean"]) == 1.5  # loads (3, 1) before drops, mean 2
+    np.testing.assert_array_equal(stats["load"], [3, 1])  # assignments before drops
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,14 +149,23 @@ LAYOUTS = {
 DROPPING = dataclasses.replace(BASE.model, moe=dataclasses.replace(BASE.model.moe, capacity_factor=1.0, every=2))
 
 
-def _grads(cfg: Config, devices=None):
+def _grads(cfg: Config, devices=None, with_stats: bool = False):
+    """(loss, gradients layer-major[, per-layer MoE stats]) at the initial parameters."""
     mesh = make_mesh(cfg.mesh, devices)
     layout = make_layout(cfg, mesh)
     state = init_state(cfg, layout)
     rows = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
     batch = jax.device_put({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, batch_sharding(mesh))
     loss, grads = make_grad_fn(layout)(state.params, batch)
-    return float(loss), jax.tree.map(np.asarray, grads)
+    if layout.schedule is not None:
+        grads = {**grads, "layers": to_layer_major(grads["layers"])}
+    out = (float(loss), jax.tree.map(np.asarray, grads))
+    if with_stats:
+        def stats_of(params, inputs):
+            with logical_context(layout.mesh, layout.rules, pin_params=layout.pin_params):
+                return layout.apply(params, inputs)[1]
+        out += (jax.tree.map(np.asarray, jax.jit(stats_of)(state.params, batch["inputs"])),)
+    return out
 
 
 def _assert_same(got, want):
@@ -161,6 +173,8 @@ def _assert_same(got, want):
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
         err, scale = np.abs(g - r).max(), np.abs(r).max()
         assert err <= GRAD_ATOL + GRAD_RTOL * scale, (jax.tree_util.keystr(path), err, scale)
+    for name, value in (got[2] if len(got) > 2 else {}).items():  # routing stats, per layer
+        np.testing.assert_allclose(value, want[2][name], rtol=1e-5, err_msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +193,29 @@ def test_drops_do_not_depend_on_the_layout():
     cfg = dataclasses.replace(BASE, model=dataclasses.replace(DROPPING, n_layers=4))
     want = _grads(dataclasses.replace(cfg, mesh=MeshConfig(data=1)), available_devices(1))
     _assert_same(_grads(dataclasses.replace(cfg, mesh=MeshConfig(data=2, tensor=2, expert=2))), want)
+
+
+PIPELINED = {
+    # GPipe: data 2 x pipe 2 x expert 2, MoE every 2nd block, 2 units of 2 blocks per stage
+    "gpipe_data2_pipe2_expert2": ["mesh.data=2", "mesh.pipe=2", "mesh.expert=2", "parallel.microbatches=2"],
+    # circular: 2 chunks per stage, experts and their hidden dim split 2 x 2
+    "circular_tensor2_pipe2_expert2": ["mesh.data=1", "mesh.tensor=2", "mesh.pipe=2", "mesh.expert=2",
+                                       "parallel.microbatches=2", "parallel.schedule=circular", "parallel.repeats=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def dropping_one_device():
+    cfg = dataclasses.replace(BASE, model=dataclasses.replace(DROPPING, n_layers=8), mesh=MeshConfig(data=1))
+    return cfg, _grads(cfg, available_devices(1), with_stats=True)
+
+
+@pytest.mark.parametrize("name", list(PIPELINED))
+def test_moe_inside_pipeline_stages(dropping_one_device, name):
+    """MoE blocks in pipeline stages (the all-to-all inside the stage's shard_map): loss, gradients
+    and every layer's routing stats (combined over microbatches and batch shards) equal one device."""
+    cfg, want = dropping_one_device
+    _assert_same(_grads(apply_overrides(cfg, PIPELINED[name]), with_stats=True), want)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,3 +257,177 @@ def test_counts(every, shared):
     # Activated FLOPs: each MoE layer swaps a dense FFN for a router, k experts and the shared ones.
     swap = n_moe * (d * e.num_experts + (e.top_k + shared - 1) * 3 * d * f)
     assert flops_per_token(m, 16) == flops_per_token(dense, 16) + 6 * swap
+
+
+# ----------------------------------------------------------------------------------------------
+# Through the CLI: the routing metrics reach metrics.jsonl per MoE layer
+
+
+def test_cli_moe_run_logs_routing_metrics_per_layer(tmp_path, capsys):
+    from pathlib import Path
+
+    from parallax.train import main
+
+    quickstart = Path(__file__).resolve().parents[1] / "experiments" / "quickstart.py"
+    sets = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
+            "train.seq_len=16", "train.global_batch=8", "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+            "train.log_every=1",
+            "mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "model.moe.num_experts=4", "model.moe.every=2",
+            "model.moe.capacity_factor=0.5"]
+    assert main(["train", str(quickstart), "--workdir", str(tmp_path), *[a for s in sets for a in ("--set", s)]]) == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        for name in ("aux_loss", "z_loss", "dropped_fraction", "load_max_over_mean"):
+            assert r[f"moe_{name}"] == r[f"moe_{name}_layer1"]  # one MoE layer: block 1 of 2
+            assert f"moe_{name}_layer0" not in r  # block 0 is dense
+        assert 0 < r["moe_dropped_fraction"] < 1  # capacity 0.5: some tokens drop
+        assert 1 <= r["moe_load_max_over_mean"] <= 4 and r["moe_aux_loss"] > 0
+    assert "eval_loss" in records[-1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Ragged dispatch (dropless): sorted tokens through ragged_dot, against the capacity path with
+# capacity_factor=0 (the dropless reference that runs everywhere). Same parameters (same names,
+# same initialisation), so outputs and gradients must agree to rounding.
+
+RAGGED = dataclasses.replace(BASE.model.moe, dispatch="ragged")  # E=8, k=2, dropless, 1 shared expert
+
+
+def _layer_outputs_and_grads(layer, params, x, mesh=None):
+    """(y, d/d(x, params) of sum(sin(y))) of one MoE layer, jitted; under `mesh` if given."""
+    from parallax.sharding import DEFAULT_RULES
+
+    def loss(x, p):
+        if mesh is None:
+            y = layer.apply({"params": p}, x)[0]
+        else:
+            with logical_context(mesh, DEFAULT_RULES):
+                y = layer.apply({"params": p}, x)[0]
+        return jnp.sum(jnp.sin(y)), y
+
+    if mesh is not None:
+        x, params = jax.device_put((x, params), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, params)
+    return jax.tree.map(np.asarray, (y, grads))
+
+
+def _assert_layers_agree(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=LAYER_RTOL, atol=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(a, b, rtol=LAYER_RTOL, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.fixture(scope="module")
+def capacity_layer_reference():
+    """The capacity path, capacity_factor=0, on one device: x [8, 6, 12] (8 sequences: one per
+    device of the batch axes below), confident routing."""
+    layer = MoE(BASE.model.moe, d_ff=16)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(8, 6, 12)), jnp.float32)
+    params = nn.unbox(layer.init(jax.random.key(3), x)["params"])
+    params = {**params, "router": params["router"] * 20}
+    return x, params, _layer_outputs_and_grads(layer, params, x)
+
+
+@pytest.fixture
+def grouped_calls(monkeypatch):
+    """Counts traces of the grouped matmul: proof that `dispatch='ragged'` took the ragged path."""
+    import parallax.moe as moe
+
+    calls, inner = [], moe.grouped_swiglu
+    monkeypatch.setattr(moe, "grouped_swiglu", lambda *a: calls.append(1) or inner(*a))
+    return calls
+
+
+def test_ragged_layer_equals_capacity_dropless(capacity_layer_reference, grouped_calls):
+    x, params, want = capacity_layer_reference
+    layer = MoE(RAGGED, d_ff=16)
+    assert jax.tree.map(jnp.shape, nn.unbox(layer.init(jax.random.key(3), x)["params"])) == jax.tree.map(jnp.shape, params)
+    _assert_layers_agree(_layer_outputs_and_grads(layer, params, x), want)
+    assert grouped_calls
+    y, stats = layer.apply({"params": params}, x)
+    assert float(stats["dropped_fraction"]) == 0.0 and float(jnp.sum(stats["load"])) == 8 * 6 * 2
+
+
+def test_ragged_model_data2_tensor2_equals_one_device(one_device, grouped_calls):
+    """The whole model on data=2 x tensor=2 (expert=1: no all-to-all, runs on CPU) with ragged
+    dispatch equals the capacity path with capacity_factor=0 on one device: loss and gradients."""
+    cfg = dataclasses.replace(BASE, model=dataclasses.replace(BASE.model, moe=RAGGED), mesh=MeshConfig(data=2, tensor=2))
+    _assert_same(_grads(cfg, available_devices(4)), one_device)
+    assert grouped_calls
+
+
+def test_cli_refuses_ragged_with_expert_parallelism_on_cpu(tmp_path, capsys):
+    from pathlib import Path
+
+    from parallax.train import main
+
+    quickstart = Path(__file__).resolve().parents[1] / "experiments" / "quickstart.py"
+    sets = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
+            "train.seq_len=16", "train.global_batch=8", "train.steps=1", "mesh.data=4", "mesh.tensor=1", "mesh.expert=2",
+            "model.moe.num_experts=4", "model.moe.dispatch=ragged", "model.moe.capacity_factor=0"]
+    rc = main(["train", str(quickstart), "--workdir", str(tmp_path / "wd"), *[a for s in sets for a in ("--set", s)]])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("parallax: error: "), err
+    for needle in ("model.moe.dispatch", "XLA:CPU", "ragged_all_to_all", "capacity_factor=0"):
+        assert needle in lines[0], (needle, lines[0])
+    assert not (tmp_path / "wd" / "metrics.jsonl").exists()
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """jax.lax.ragged_all_to_all as its docstring specifies (one slice per device), built from
+    all_gather, which XLA:CPU runs. The receiver writes recv_sizes[src] rows at the offset the
+    sender named, read from the sender's input_offsets: a wrong size or offset on either side
+    shows up as wrong rows."""
+    n, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    assert input_offsets.shape == (n,), "the emulation covers one slice per device"
+    data, starts, lands = (jax.lax.all_gather(a, axis_name) for a in (operand, input_offsets, output_offsets))
+    rows, result = jnp.arange(output.shape[0]), output
+    for src in range(n):
+        rel = rows - lands[src, me]
+        hit = (rel >= 0) & (rel < recv_sizes[src])
+        value = data[src][jnp.clip(starts[src, me] + rel, 0, operand.shape[0] - 1)]
+        result = jnp.where(hit.reshape(-1, *([1] * (output.ndim - 1))), value, result)
+    return result
+
+
+@pytest.mark.parametrize("shape", [MeshConfig(data=2, expert=4), MeshConfig(data=2, tensor=2, expert=2)])
+def test_ragged_expert_exchange_offsets_with_emulated_collective(capacity_layer_reference, monkeypatch, shape):
+    """The expert > 1 ragged exchange (counts all_to_all, offsets, regrouping by local expert, the
+    way back) on CPU, with ragged_all_to_all replaced by an emulation of its documented semantics.
+    What this cannot check (the real collective, its transpose) is the GPU test's job below."""
+    import parallax.expert_parallel as ep
+
+    moved = []  # traces of the collective: there and back, in the forward pass
+    monkeypatch.setattr(ep, "ragged_all_to_all", lambda *a, **k: moved.append(1) or _emulated_ragged_all_to_all(*a, **k))
+    x, params, want = capacity_layer_reference
+    mesh = make_mesh(shape)
+    layer = MoE(RAGGED, d_ff=16, exchange=ep.EXPERT_EXCHANGE)
+    _assert_layers_agree(_layer_outputs_and_grads(layer, params, x, mesh), want)
+    assert len(moved) == 2
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+@pytest.mark.skipif(not _gpus(), reason="needs a GPU: XLA:CPU cannot run jax.lax.ragged_all_to_all (jax #34755); "
+                                        "run with JAX_PLATFORMS=cuda on a GPU machine")
+def test_ragged_expert_exchange_on_gpu(capacity_layer_reference):
+    """The real ragged_all_to_all, forward and backward, with experts over every GPU (on one GPU
+    the exchange is forced at expert=1: each device sends to itself)."""
+    import parallax.expert_parallel as ep
+    from parallax.moe import Exchange
+
+    gpus = _gpus()
+    n = max(d for d in (1, 2, 4, 8) if d <= len(gpus))
+    x, params, want = capacity_layer_reference
+    mesh = make_mesh(MeshConfig(data=1, expert=n), gpus[:n])
+    exchange = Exchange(*ep.EXPERT_EXCHANGE[:3], ep.make_ragged(exchange_at_one=True))
+    layer = MoE(RAGGED, d_ff=16, exchange=exchange)
+    _assert_layers_agree(_layer_outputs_and_grads(layer, params, x, mesh), want)
