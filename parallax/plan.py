@@ -22,7 +22,8 @@ half-microbatch's compute (exposed only where longer); the 1F1B/GPipe bubble (P-
 the MoE all-to-alls over `expert` exposed (the expert matmuls wait for the dispatched slots).
 
 MoE models search `expert` too (dividing num_experts; the batch is split over data x expert).
-Config refuses MoE inside a pipeline today, so MoE layouts keep pipe = 1 and one microbatch.
+MoE layouts keep pipe = 1 and one microbatch: MoE runs inside GPipe/circular stages, but the cost
+model's pipelined-MoE terms are not validated against compiles yet.
 The device, preset and published-run tables live in presets.py.
 """
 

@@ -1,8 +1,8 @@
 """MoE at the quickstart's activated size: the quickstart model with every 2nd block's FFN a
 Mixture-of-Experts layer, on data=2 x tensor=2 x expert=2.
 
-    parallax train experiments/moe.py
-    python experiments/report.py runs/quickstart runs/moe --out experiments/results --name dense_vs_moe
+    parallax train experiments/moe_ep.py
+    python experiments/report.py runs/quickstart runs/moe_ep --out experiments/results --name dense_vs_moe
 
 Equal activated FLOPs to experiments/quickstart.py: each MoE layer has 8 SwiGLU experts of d_ff
 256 and routes each token to 2 of them, so a token's FFN work equals the dense d_ff 512 (plus the
@@ -18,7 +18,7 @@ from parallax.config import Config, MeshConfig, ModelConfig, MoEConfig, OptimCon
 
 def get_config() -> Config:
     return Config(
-        name="moe",
+        name="moe_ep",
         mesh=MeshConfig(data=2, tensor=2, expert=2),
         model=ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=512, vocab_size=256,
                           moe=MoEConfig(num_experts=8, top_k=2, every=2, d_ff=256, capacity_factor=1.25)),
