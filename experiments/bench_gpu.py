@@ -105,30 +105,24 @@ def make_config(case: Case, tiny: bool) -> Config:
 
 def run_case(case: Case, tiny: bool, warmup: int, rounds: int, steps: int) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     sys.path.insert(0, str(HERE))
-    from bench_fp8 import MIN_FP8_GEMMS, fp8_gemm_report  # one HLO parser for both FP8 scripts
+    # One HLO parser and one single-device setup (random tokens) for both GPU scripts.
+    from bench_fp8 import MIN_FP8_GEMMS, _setup, fp8_gemm_report
 
     from parallax.cost import Grid, Workload, memory_parts
-    from parallax.mesh import available_devices, make_mesh
+    from parallax.mesh import available_devices
     from parallax.metrics import mfu, peak_flops, tflops_per_device
     from parallax.model import active_params, count_params, flops_per_token
-    from parallax.train_state import init_state, make_layout
-    from parallax.train_step import batch_sharding, make_train_step
 
     cfg = make_config(case, tiny)
     device = available_devices(1)[0]
-    mesh = make_mesh(cfg.mesh, devices=[device])
-    layout = make_layout(cfg, mesh)
-    state = init_state(cfg, layout)
-    b, t, v = cfg.train.global_batch, cfg.train.seq_len, cfg.model.vocab_size
-    tokens = np.asarray(jax.random.randint(jax.random.key(1), (b, t + 1), 0, v, jnp.int32))
-    batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, batch_sharding(mesh))
+    mesh, layout, state, batch, train_step = _setup(cfg, device)
+    b, t = cfg.train.global_batch, cfg.train.seq_len
 
     t0 = time.perf_counter()
-    compiled = make_train_step(cfg, layout).lower(state, batch).compile()
+    compiled = train_step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     hlo = fp8_gemm_report(compiled.as_text())
     mem = compiled.memory_analysis()  # as parallax.audit reads it: peak = arg + out - alias + temp
@@ -257,7 +251,8 @@ def print_table(results: dict, summary: dict) -> None:
         console.print(f"{name}: no figure; {why}", markup=False, highlight=False)
     for name, c in summary["checks"].items():
         v = c["value"]
-        shown = ("unknown (no peak for this device)" if v is None else f"{v:.1%}" if "MFU" in name and isinstance(v, float)
+        unknown = "unknown (no peak for this device)" if "MFU" in name else "unknown (a case it needs did not run)"
+        shown = (unknown if v is None else f"{v:.1%}" if "MFU" in name and isinstance(v, float)
                  else f"{v:.3g}" if isinstance(v, float) else v)
         console.print(f"RESULT {name}: {shown}  {c['verdict']}", markup=False, highlight=False)
 
