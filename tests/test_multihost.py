@@ -220,9 +220,13 @@ def test_a_dead_process_stops_the_other_within_the_heartbeat_bound(tmp_path):
         assert rc != 0, name
         assert elapsed < HEARTBEAT_S + 15, (name, elapsed)  # heartbeat timeout plus polling slack
     killed, hung = runs["killed"].err(0), runs["hung"].err(0)
-    assert "parallax[process 0/2]: error: JaxRuntimeError" in killed, killed[-3000:]
     # JAX's coordination service aborts the survivor (SIGABRT) with its own message.
-    assert "Terminating process because the JAX distributed service detected fatal errors" in hung, hung[-3000:]
+    coordination = "Terminating process because the JAX distributed service detected fatal errors"
+    # Killed: the survivor's next collective usually fails at once (gloo, reported with the process
+    # prefix); on a loaded machine the coordination service's heartbeat check was seen to fire
+    # first (CI, 2026-11-30). Either is a clear error within the bound.
+    assert "parallax[process 0/2]: error: JaxRuntimeError" in killed or coordination in killed, killed[-3000:]
+    assert coordination in hung, hung[-3000:]
     assert "stopped sending heartbeats" in hung
 
 
