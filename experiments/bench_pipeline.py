@@ -114,6 +114,7 @@ MEMORY_CASES = (
     Case("gpipe", "gpipe"),
     Case("gpipe_remat_full", "gpipe", remat="full"),
     Case("circular_r2", "circular", repeats=2),
+    Case("circular_r2_remat_full", "circular", remat="full", repeats=2),
     Case("1f1b", "1f1b"),
 )
 BUBBLE_CASES = (Case("gpipe", "gpipe"), Case("circular_r2", "circular", repeats=2), Case("1f1b", "1f1b"))

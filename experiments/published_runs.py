@@ -19,7 +19,8 @@ def _layout(r: dict | None) -> str:
     if r is None:
         return "none fits"
     sched = r["schedule"] + (f"x{r['repeats']}" if r["repeats"] > 1 else "")
-    return (f"d{r['data']} t{r['tensor']} p{r['pipe']} ZeRO-{r['zero']} M{r['microbatches']} {sched} remat={r['remat']}, "
+    sp = " SP" if r["sequence_parallel"] else ""
+    return (f"d{r['data']} t{r['tensor']}{sp} p{r['pipe']} ZeRO-{r['zero']} M{r['microbatches']} {sched} remat={r['remat']}, "
             f"{r['memory_gib']:.1f} GiB, MFU {r['mfu']:.1%}")
 
 
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run.name}: {run.devices} {run.device}; published d{pl['data']} t{pl['tensor']} p{pl['pipe']}, MFU {pub}")
         print(f"  planner's choice:        {_layout(chosen)}"
               + ("" if gap is None else f"  (distance to published: {gap * 100:.1f} points)"))
+        if not run.sequence_parallel:  # planned above with the published system's features
+            print(f"  ... with sequence parallelism, which the published system lacked: {_layout(c['chosen_all_features'])}")
         print("  published layout here:   " + ("not expressible (divisibility)" if p is None else
                                                _layout(p) + ("" if p["fits"] else f" - does NOT fit {c['usable_gib']:.0f} GiB")))
         print(f"  source: {run.source}")

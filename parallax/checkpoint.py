@@ -112,6 +112,7 @@ class DiskForm:
 
     def __init__(self, layout: Layout):
         self.pipelined = layout.schedule is not None
+        self.units = layout.schedule.units if self.pipelined else 0  # uneven stages: saved without padding
         shard_of = jax.tree_util.tree_map_with_path(
             lambda p, s: _layer_major_sharding(s) if self.pipelined and _is_stacked(p) else s,
             layout.state_shardings,
@@ -132,7 +133,8 @@ class DiskForm:
     def _reshape_to_disk(self, state: TrainState) -> TrainState:
         if not self.pipelined:
             return state
-        return jax.tree_util.tree_map_with_path(lambda p, x: to_layer_major(x) if _is_stacked(p) else x, state)
+        units = self.units
+        return jax.tree_util.tree_map_with_path(lambda p, x: to_layer_major(x, units) if _is_stacked(p) else x, state)
 
     def to_disk(self, state: TrainState) -> TrainState:
         return self._to_disk(state) if self.pipelined else state

@@ -87,6 +87,9 @@ class ParallelConfig:
     microbatches: int = 1  # pipeline microbatches per step (M)
     schedule: str = "gpipe"  # gpipe | circular | 1f1b
     repeats: int = 1  # layer chunks per pipeline stage (circular schedule)
+    # Megatron sequence parallelism: the residual stream between tensor-parallel regions is
+    # sharded over `tensor` on T (each tensor all-reduce -> reduce-scatter + all-gather); no-op at tensor=1
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -308,6 +311,17 @@ def validate(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 256 for data.source='stdlib' (bytes)")
     _validate_fp8(cfg, sizes)
     _validate_noise_scale(cfg, sizes)
+    _validate_sequence_parallel(cfg, sizes)
+
+
+def _validate_sequence_parallel(cfg: Config, sizes: dict[str, int]) -> None:
+    """parallel.sequence_parallel shards T over `tensor` between the tensor-parallel regions."""
+    t = sizes["tensor"]
+    if not cfg.parallel.sequence_parallel or t == 1:  # tensor=1: nothing to shard, a no-op
+        return
+    if cfg.train.seq_len % t:
+        raise ConfigError(f"parallel.sequence_parallel: train.seq_len={cfg.train.seq_len} must be divisible by "
+                          f"mesh.tensor={t} (the residual stream is sharded over tensor on T)")
 
 
 def _validate_noise_scale(cfg: Config, sizes: dict[str, int]) -> None:
@@ -366,6 +380,14 @@ def stack_length(m: ModelConfig) -> int:
     return m.n_layers // m.moe.every if m.moe.num_experts and m.moe.every > 1 else m.n_layers
 
 
+def stage_padding(units: int, stages: int, repeats: int = 1) -> int | None:
+    """Uneven stages: identity slots that pad a stack of `units` to a multiple of P*R (at its end,
+    pipeline.to_stages); None when that would leave a stage with padding only."""
+    chunks = stages * repeats
+    padding = -units % chunks
+    return None if padding >= -(-units // chunks) * repeats else padding
+
+
 def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
     e, m = cfg.model.moe, cfg.model
     if e.num_experts < 0:
@@ -421,12 +443,13 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"parallel.microbatches={par.microbatches} must be >= mesh.pipe={p}")
     if par.schedule == "circular" and par.microbatches % p:
         raise ConfigError(f"parallel.microbatches={par.microbatches} must be a multiple of mesh.pipe={p} (circular)")
-    units = stack_length(cfg.model)
-    if units % (p * par.repeats):
+    units, chunks = stack_length(cfg.model), p * par.repeats
+    if stage_padding(units, p, par.repeats) is None:
         what = f"model.n_layers={cfg.model.n_layers}"
         if units != cfg.model.n_layers:
             what = f"model.n_layers / model.moe.every = {units}"
-        raise ConfigError(f"{what} must be divisible by mesh.pipe x parallel.repeats = {p} x {par.repeats}")
+        raise ConfigError(f"{what} is too few for mesh.pipe x parallel.repeats = {p} x {par.repeats}: padding the "
+                          f"stack to a multiple of {chunks} would leave a pipeline stage with no layer")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,6 +8,10 @@ What it models is parallax's own program, not an idealised one:
 - tensor: per block 2 all-reduces of [B/(data expert), T, D] forward and 2 backward (one more
   with remat=full: the recomputed attention output); the vocab-parallel embedding all-reduces
   once forward, the logits projection once backward, the cross-entropy 3 [B, T] float32 rows.
+  Sequence parallelism: each of those activation all-reduces is an all-reduce + T-slice on
+  XLA:CPU, a reduce-scatter (result 1/t) on GPU/TPU; 2 all-gathers per block each way (more
+  when recomputed), one before the head, one of the embedding's cotangent; the norm scales'
+  partial gradients; pipe sends and psums carry 1/t.
 - data: the gradient all-reduce moves the tensor-sharded parameter bytes (float32), per layer
   inside the backward loop, or once after the tick loop when pipelined; ZeRO-1 all-gathers the
   updated parameters once; ZeRO-3 gathers each layer's weights forward (and again backward when a
@@ -82,12 +86,13 @@ class Grid:
     schedule: Any = GPIPE  # index into SCHEDULES
     repeats: Any = 1
     remat: Any = NONE  # index into REMATS
+    sequence: Any = 0  # 1: sequence parallelism (the residual stream's T sharded over tensor)
 
     @classmethod
     def of(cls, cfg: Config, sizes: dict[str, int]) -> Grid:
         p = cfg.parallel
         return cls(sizes["data"], sizes["tensor"], sizes["pipe"], sizes["expert"], p.zero, p.microbatches,
-                   SCHEDULES.index(p.schedule), p.repeats, REMATS.index(p.remat))
+                   SCHEDULES.index(p.schedule), p.repeats, REMATS.index(p.remat), int(p.sequence_parallel))
 
     def pick(self, index: Any) -> Grid:
         return Grid(**{f.name: np.asarray(getattr(self, f.name))[index] if np.ndim(getattr(self, f.name)) else
@@ -146,8 +151,6 @@ class Dims:
         self.piped = (p > 1) | (self.M > 1)
         self.f1b = self.piped & (self.sched == ONE_F_ONE_B)
         self.ticks = np.where(self.f1b, self.M + 2 * (p - 1), self.r * self.M + p - 1)
-        self.Ldev = self.L / p  # layers per device
-        self.Lc = self.L / (self.r * p)  # layers per chunk (one tick of one stage)
         self.rows = w.global_batch / self.dp  # rows per batch shard
         self.tok = self.rows * self.T  # tokens per batch shard
         # MoE (model.moe): E experts of hidden Fe, top-k, S shared experts, C slots per expert and sequence.
@@ -158,6 +161,10 @@ class Dims:
         self.C = moe_capacity(self.T, self.E, self.k, mo.capacity_factor) if self.moe else 0
         self.unit = mo.every if self.moe and mo.every > 1 else 1  # blocks per scanned unit
         self.U = self.L / self.unit  # loop trips
+        # Uneven stages: the stack is padded with identity units up to a multiple of R*P
+        # (pipeline.to_stages); the padding is stored and computed like real layers.
+        self.Lc = np.ceil(self.U / (self.r * p)) * self.unit  # layers per chunk (one tick of one stage)
+        self.Ldev = self.Lc * self.r  # layers per device
         self.slots_tok = self.E * self.C / self.T  # expert slots per token (capacity padding included)
         self.slots = self.tok * self.slots_tok * self.D * self.c  # one device's [B/(data expert), E, C, D]
         attn = self.D * self.H * (2 * self.N + 2 * self.K)
@@ -177,6 +184,9 @@ class Dims:
         self.params_t = self.Ldev * self.layer_t + self.outer_t  # tensor-, expert- and pipe-sharded
         self.act = self.tok * self.D * self.c  # one [B/dp, T, D] buffer
         self.act_m = self.act / self.M
+        # Sequence parallelism: the residual stream (and what is saved or sent of it) is [B/dp, T/t, D].
+        self.sp = (np.asarray(g.sequence) != 0) & (t > 1)
+        self.sp_t = np.where(self.sp, t, 1)
 
 
 def _axes(*names: str) -> tuple[str, ...]:
@@ -224,9 +234,31 @@ def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> lis
     static_scale = np.where(f1b, s.ticks / M, 1)
     # GPipe/circular run each tick as two half-microbatches (pipeline.py): twice the ops, half the bytes.
     halves = np.where(piped & ~f1b & ((s.rows / M) % 2 == 0), 2, 1)
+    # Sequence parallelism: each all-reduce of a [B, T, D] partial sum feeds the T-sharded residual.
+    # The partitioner emits it as an all-reduce plus a slice of this device's T shard; the GPU and
+    # TPU compilers fuse the pair into a reduce-scatter (result 1/t), XLA:CPU has no such pass and
+    # keeps the all-reduce (its compiled steps are what the tests compare). Before each
+    # column-parallel matmul the norm output is all-gathered (2 per block, attention and FFN); in
+    # the backward pass the output cotangent is gathered and the input gradient reduce-scattered.
+    sp, rs = s.sp, s.sp & (not s.cpu)
+
+    def partial_sum(what, nbytes, execs, on, static=None):
+        add(("tensor",), "all-reduce", what, nbytes, execs, on & ~rs, "exposed", static, t)
+        add(("tensor",), "reduce-scatter", what, nbytes / t, execs, on & rs, "exposed", static, t)
+
     for what, n in (("block forward (2 per layer)", per_unit * busy_units),
                     ("block backward (2 per layer)", per_unit * busy_units), ("block recomputation", recompute)):
-        add(("tensor",), "all-reduce", what, ar_bytes / halves, n * halves, on_t, "exposed", n * halves * static_scale, t)
+        partial_sum(what, ar_bytes / halves, n * halves, on_t, n * halves * static_scale)
+    # Every recomputed block gathers its norm outputs again, under `dots` too (norms are not dots).
+    gathers = 2 * busy_layers * halves
+    regathers = 2 * np.where(f1b, M * s.Lc, np.where(s.remat != NONE, layers_run, 0)) * halves
+    for what, n in (("sequence-parallel norm gathers forward (2 per layer)", gathers),
+                    ("sequence-parallel cotangent gathers backward (2 per layer)", gathers),
+                    ("sequence-parallel norm gathers recomputed", regathers)):
+        add(("tensor",), "all-gather", what, ar_bytes / halves, n, on_t & sp, "exposed", n * static_scale, t)
+    # Norm scales see only this device's tokens: their gradients are partial sums over tensor.
+    add(("tensor",), "all-reduce", "sequence-parallel norm-scale gradients", 4 * s.unit_norms, busy_units * halves,
+        on_t & sp, "exposed", busy_units * halves * static_scale, t)
     # MoE: the expert output [E/ep, B/data, C, D] sums its F shards (forward) and so does the
     # gradient of the expert input (backward); recomputed under any remat policy (`dots` keeps
     # only matmuls without batch dimensions, and the expert matmuls are batched over E).
@@ -236,9 +268,16 @@ def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> lis
     for what, n in (("MoE expert output forward", moe_units), ("MoE expert input gradient backward", moe_units),
                     ("MoE expert output recomputation", moe_recompute)):
         add(("tensor",), "all-reduce", what, slot_bytes, n, on_t, "exposed", n * static_scale, t)
-    add(("tensor",), "all-reduce", "embedding forward (vocab-parallel)", s.act, 1, on_t, "exposed", None, t)
-    add(("tensor",), "all-reduce", "logits backward (vocab-parallel)", np.where(f1b, s.act_m, s.act),
-        np.where(f1b, M, 1), on_t, "exposed", np.where(f1b, s.ticks, 1), t)
+    partial_sum("embedding forward (vocab-parallel)", s.act, 1, on_t)
+    partial_sum("logits backward (vocab-parallel)", np.where(f1b, s.act_m, s.act), np.where(f1b, M, 1), on_t,
+                np.where(f1b, s.ticks, 1))
+    # Sequence parallelism: the loss head gathers the final norm's output (1F1B: per microbatch),
+    # the embedding's table gradient the cotangent of its output; the final norm's scale as above.
+    add(("tensor",), "all-gather", "sequence-parallel final-norm gather", np.where(f1b, s.act_m, s.act),
+        np.where(f1b, M, 1), on_t & sp, "exposed", np.where(f1b, s.ticks, 1), t)
+    add(("tensor",), "all-gather", "sequence-parallel embedding cotangent gather", s.act, 1, on_t & sp, "exposed", None, t)
+    add(("tensor",), "all-reduce", "sequence-parallel final-norm scale gradient", 4 * s.D, np.where(f1b, M, 1),
+        on_t & sp, "exposed", np.where(f1b, s.ticks, 1), t)
     add(("tensor",), "all-reduce", "cross-entropy max, sum, target", np.where(f1b, rows_f32 / M, rows_f32),
         np.where(f1b, 3 * M, 3), on_t, "exposed", np.where(f1b, 3 * s.ticks, 3), t)
 
@@ -251,14 +290,15 @@ def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> lis
         add(("expert",), "all-to-all", what, slot_bytes, n, on_e, "exposed", n * static_scale, s.ep)
 
     # pipe: the ring and the reductions around the stack.
-    send, sends = s.act_m / halves, s.ticks * halves
+    send, sends = s.act_m / halves / s.sp_t, s.ticks * halves  # sequence parallelism: T/t of each
     # Sends overlap compute where something is left to compute: GPipe's first half-microbatch
     # behind the second, 1F1B's forward send behind the tick's backward; 1F1B's cotangent send
     # comes after all of the tick's compute.
     add(("pipe",), "collective-permute", "stage activations forward", send, sends, on_p, "tick", None, 2)
     add(("pipe",), "collective-permute", "stage cotangents backward", send, sends, on_p & ~f1b, "tick", None, 2)
     add(("pipe",), "collective-permute", "stage cotangents backward (1F1B)", send, sends, on_p & f1b, "exposed", None, 2)
-    add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act, np.where(f1b, 1, 2), on_p, "exposed", None, p)
+    add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act / s.sp_t, np.where(f1b, 1, 2), on_p,
+        "exposed", None, p)
     add(("pipe",), "all-reduce", "head gradients (1F1B psum)", 4 * s.outer_t, 1, on_p & f1b, "exposed", None, p)
 
     # data: gradient reduction, ZeRO gathers. XLA:CPU all-reduces the gradients; on GPU/TPU the
@@ -339,8 +379,11 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     scores = heads * T * 13 if attention == "xla" else heads * 4  # bool mask + 3 float32 / log-sum-exp
     # Residuals of one un-rematted block per token (jax.ad_checkpoint.print_saved_residuals):
     # x, x after attention, 2 x (normed float32 + scaled) ; q, k, v, attention output; 6 F-sized.
-    attn_none = D * (3 * c + 2 * 4) + (2 * N + 2 * K) * H / t * c + scores
-    attn_dots = 3 * D * c + (N + 2 * K) * H / t * c  # x, attention and MLP outputs; qkv
+    # Sequence parallelism (sp_t = t, else 1): the residual-stream buffers are T-sharded, but the
+    # two norm outputs the column-parallel matmuls keep are the all-gathered, full-T ones.
+    sp_t = s.sp_t
+    attn_none = D * (c + 2 * 4) / sp_t + 2 * D * c + (2 * N + 2 * K) * H / t * c + scores
+    attn_dots = 3 * D * c / sp_t + (N + 2 * K) * H / t * c  # x, attention and MLP outputs; qkv
     # An MoE FFN per token: its slots (E C / T per token, capacity padding included) each keep
     # D- and F-sized buffers, the router float32 [E]-sized ones; shared experts as a dense MLP.
     moe_none = (s.slots_tok * (MOE_SLOT_D * D + MOE_SLOT_F * s.Fe / t) * c + MOE_ROUTER * s.E * 4
@@ -349,7 +392,7 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     dense = s.unit - s.moe  # dense blocks per unit
     none = s.unit * attn_none + dense * 6 * F / t * c + s.moe * moe_none  # per unit
     dots = s.unit * attn_dots + dense * 2 * F / t * c + s.moe * moe_dots  # gate/up
-    full = D * c * (CPU_FULL_SAVED if s.cpu else 1.0)  # the unit's input
+    full = D * c * (CPU_FULL_SAVED if s.cpu else 1.0) / sp_t  # the unit's input
     saved_tok = np.select([s.remat == NONE, s.remat == FULL], [none, full], dots) / s.unit  # per layer
     if not s.cpu and w.model.dtype != "float32":  # bfloat16 copies of the weights kept per layer
         saved_layer = np.where(s.remat == NONE, 2 * (s.layer_t - 2 * D), 0)
@@ -362,15 +405,21 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # [M, B/M, T, D], one stage's residuals (Lc layers) while its vjp runs, and the gradient
     # accumulators carried through the tick loop.
     plain_saved = s.L * (s.tok * saved_tok + saved_layer)
-    # The circular schedule slices its chunk's weights per tick and the backward keeps each slice.
-    chunk_slices = np.where(s.sched == CIRCULAR, 4 * s.Lc * s.layer_t, 0)
+    # The circular schedule slices its chunk's weights per tick; without a remat policy the
+    # backward keeps each slice (pipeline._stage_fn).
+    chunk_slices = np.where((s.sched == CIRCULAR) & (s.remat == NONE), 4 * s.Lc * s.layer_t, 0)
     gpipe_saved = s.ticks * (s.Lc * (tok_m * saved_tok + saved_layer) + chunk_slices)
-    f1b_saved = 2 * s.p * tok_m * D * c + s.act + s.Lc * (tok_m * saved_tok + saved_layer) + 4 * s.params_t
+    f1b_saved = (2 * s.p * tok_m * D * c + s.act) / sp_t + s.Lc * (tok_m * saved_tok + saved_layer) + 4 * s.params_t
     activations = np.where(s.f1b, f1b_saved, np.where(s.piped, gpipe_saved, plain_saved))
     # Working set: one unit's backward needs about its un-rematted residuals at once (a whole
     # chunk of them inside a pipeline tick); a 1-layer chunk compiles without an inner loop and
     # its residuals are the working set itself.
-    work_tok = np.where(s.piped & ~s.f1b, s.Lc / s.unit * tok_m, np.where(s.f1b, np.where(s.Lc > 1, tok_m, 0), s.tok))
+    # The circular schedule under a remat policy slices each unit's weights inside its
+    # checkpoint (pipeline._stage_fn): one more unit's residuals are live (fitted on three
+    # compiles: L4/D48, L4/D96, L8/D48 on data 2 x tensor 2 x pipe 2, within 13%).
+    sliced = (s.sched == CIRCULAR) & (s.r > 1) & (s.remat != NONE)
+    work_tok = np.where(s.piped & ~s.f1b, (s.Lc / s.unit + sliced) * tok_m,
+                        np.where(s.f1b, np.where(s.Lc > 1, tok_m, 0), s.tok))
     # (an MoE FFN's backward keeps more than its residuals live: its own factor, fitted)
     moe_work = s.moe * moe_none * ((MOE_WORKING if s.cpu else ACCEL_WORKING) - (CPU_WORKING if s.cpu else ACCEL_WORKING))
     work = (CPU_WORKING if s.cpu else ACCEL_WORKING) * np.where(s.f1b, F1B_WORKING, 1.0) * work_tok * none

@@ -22,7 +22,11 @@ from parallax.layers import MLP, Dense, DotGeneralFactory, Embed, RMSNorm
 from parallax.moe import MoE
 from parallax.sharding import PARAM_COMPUTE, constrain, params_pinned
 
-RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
+# The residual stream between tensor-parallel regions: its T is `activation_norm_length`, sharded
+# over tensor under sequence parallelism (sharding.compute_rules). The input of a column-parallel
+# matmul (a norm's output) is NORMED, full T: that constraint is sequence parallelism's all-gather.
+RESIDUAL = ("activation_batch", "activation_norm_length", "activation_embed")
+NORMED = ("activation_batch", "activation_length", "activation_embed")
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs
@@ -58,18 +62,21 @@ class Block(nn.Module):
         c = self.cfg
         dtype = jnp.dtype(c.dtype)
         out_std = c.init_std / math.sqrt(2 * c.n_layers)  # GPT-2 style residual-branch scaling
-        h = RMSNorm(c.norm_eps, dtype, name="attn_norm")(x)
+        h = constrain(RMSNorm(c.norm_eps, dtype, name="attn_norm")(x), NORMED)
         x = x + Attention(
             c.n_heads, c.n_kv_heads, c.d_model // c.n_heads, c.rope_theta, c.init_std, out_std, dtype,
             self.dot_general, name="attn",
         )(h)
         x = constrain(x, RESIDUAL)
-        h = RMSNorm(c.norm_eps, dtype, name="mlp_norm")(x)
+        h = constrain(RMSNorm(c.norm_eps, dtype, name="mlp_norm")(x), NORMED)  # MoE routes whole sequences
         moe = self.moe if self.moe is not None else bool(c.moe.num_experts) and c.moe.every == 1
         stats: Stats = {}
         if moe:
             y, stats = MoE(c.moe, expert_d_ff(c), c.init_std, out_std, dtype, self.dot_general, EXPERT_EXCHANGE,
                            name="moe")(h)
+            # Full T until the residual add: left free, the partitioner spread the router and the
+            # combine over T by `tensor` (sequence parallelism), adding small gathers and sorts.
+            y = constrain(y, NORMED)
         else:
             y = MLP(c.d_ff, c.init_std, out_std, dtype, self.dot_general, name="mlp")(h)
         return constrain(x + y, RESIDUAL), stats
@@ -122,14 +129,18 @@ class Transformer(nn.Module):
                                 dot_general=self.logits_dot_general)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        return constrain(self.embed(tokens), RESIDUAL)  # [B, T] -> [B, T, D]
+        # [B, T] -> [B, T, D]. The vocab shards' partial sums are reduced at full T, then each
+        # device keeps its T shard (sequence parallelism): the all-reduce + slice that GPU/TPU
+        # compilers fuse into a reduce-scatter. Left free, the partitioner was seen spreading T
+        # over the idle `pipe` axis here and permuting it back (pipelined layouts).
+        return constrain(constrain(self.embed(tokens), NORMED), RESIDUAL)
 
     def run_blocks(self, x: jax.Array) -> tuple[jax.Array, Stats]:
         """[B, T, D] through the scanned stack; stats stacked per MoE layer ([L_moe] each)."""
         return self.layers(x, None)
 
     def head(self, x: jax.Array) -> jax.Array:
-        x = self.final_norm(x)
+        x = constrain(self.final_norm(x), NORMED)  # the logits need every token of each vocab shard
         logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.logits(x)
         logits = constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
         return logits.astype(jnp.float32)  # [B, T, V]

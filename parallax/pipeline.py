@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from parallax.config import ParallelConfig
@@ -32,6 +33,8 @@ from parallax.fp8 import FP8_COLLECTION
 from parallax.mesh import DATA, PIPE
 from parallax.model import Transformer, moe_stat_shapes, remat_policy, stack_unit
 from parallax.sharding import BATCH_AXES, keep_axes
+
+CHUNK_WEIGHTS = "chunk_weights"  # checkpoint name of a circular chunk's per-tick weight slice
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
 
@@ -42,6 +45,17 @@ class Schedule:
     microbatches: int  # M
     repeats: int = 1  # R (chunks per stage)
     name: str = "gpipe"
+    units: int = 0  # U, the scanned stack's length; 0: a multiple of R*P (no padding)
+
+    @property
+    def chunk_units(self) -> int:
+        """Lc: units per chunk, the stack padded up to a multiple of R*P (uneven stages)."""
+        return -(-self.units // (self.repeats * self.stages))
+
+    @property
+    def padding(self) -> int:
+        """Identity slots appended to the stack so that R*P chunks split it evenly."""
+        return self.chunk_units * self.repeats * self.stages - self.units if self.units else 0
 
     @property
     def ticks(self) -> int:
@@ -93,8 +107,8 @@ def one_f_one_b_work(sched: Schedule, tick: int, stage: int) -> tuple[bool, int,
     return 0 <= i_f < m, i_f, 0 <= i_b < m, i_b
 
 
-def make_schedule(parallel: ParallelConfig, stages: int) -> Schedule:
-    return Schedule(stages, parallel.microbatches, parallel.repeats, parallel.schedule)
+def make_schedule(parallel: ParallelConfig, stages: int, units: int = 0) -> Schedule:
+    return Schedule(stages, parallel.microbatches, parallel.repeats, parallel.schedule, units)
 
 
 def is_pipelined(parallel: ParallelConfig, stages: int) -> bool:
@@ -105,15 +119,39 @@ def is_pipelined(parallel: ParallelConfig, stages: int) -> bool:
 # Layer-major <-> stage layout (a reshape of the leading axis)
 
 
-def to_stages(layers: Any, schedule: Schedule) -> Any:
-    """[L, ...] -> [R, P, L/(R P), ...] for every leaf of the scanned stack."""
-    r, p = schedule.repeats, schedule.stages
-    return jax.tree.map(lambda x: x.reshape(r, p, x.shape[0] // (r * p), *x.shape[1:]), layers)
+def to_stages(layers: Any, schedule: Schedule, pad: str = "constant") -> Any:
+    """[L, ...] -> [R, P, Lc, ...] for every leaf of the scanned stack, first padded with
+    `schedule.padding` slots at the end when R*P does not divide L (uneven stages). Parameters and
+    optimizer moments pad with zeros (the slots are masked to identity, so they stay zero); the
+    FP8 state pads with `edge` copies, so that no padded slot divides by a zero scale."""
+    r, p, extra = schedule.repeats, schedule.stages, schedule.padding
+
+    def reshape(x: jax.Array) -> jax.Array:
+        if extra:
+            x = jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1), mode=pad)
+        return x.reshape(r, p, x.shape[0] // (r * p), *x.shape[1:])
+
+    return jax.tree.map(reshape, layers)
 
 
-def to_layer_major(layers: Any) -> Any:
-    """[R, P, Lc, ...] -> [L, ...]: the inverse of `to_stages`, for checkpoints."""
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1] * x.shape[2], *x.shape[3:]), layers)
+def to_layer_major(layers: Any, units: int = 0) -> Any:
+    """[R, P, Lc, ...] -> [L, ...]: the inverse of `to_stages` (dropping the padding slots when
+    `units` says how many are real), for checkpoints."""
+
+    def reshape(x: jax.Array) -> jax.Array:
+        x = x.reshape(x.shape[0] * x.shape[1] * x.shape[2], *x.shape[3:])
+        return x[:units] if units else x
+
+    return jax.tree.map(reshape, layers)
+
+
+def unit_mask(schedule: Schedule, stage: jax.Array, rep: jax.Array | int = 0) -> jax.Array | None:
+    """[Lc] bool: which units of chunk (rep, stage) are real layers (None: no padding at all).
+    Chunk v = rep*P + stage holds units v*Lc .. v*Lc + Lc - 1 of the padded stack."""
+    if not schedule.padding:
+        return None
+    first = (rep * schedule.stages + stage) * schedule.chunk_units
+    return first + jnp.arange(schedule.chunk_units) < schedule.units
 
 
 def stage_specs(layer_specs: Any) -> Any:
@@ -125,23 +163,51 @@ def stage_specs(layer_specs: Any) -> Any:
 # The pipelined forward pass
 
 
-def _stage_fn(model: Transformer) -> Callable[[Any, jax.Array, Any], tuple[jax.Array, dict]]:
-    """(chunk params [Lc, ...], x [b, T, D], chunk FP8 state or None) -> (x, MoE stats [Lc, ...]):
-    the chunk's units in order. Inside the stage's shard_map the activations are sharded over the
-    manual batch axes, so FP8 amaxes are pmax-ed over them (fp8.py's `amax_axes` hook)."""
+def _stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
+    """(chunk params [Lc, ...], x [b, T, D], chunk FP8 state or None, unit mask [Lc] or None,
+    repeat or None) -> (x, MoE stats [Lc, ...]): the chunk's units in order.
+
+    Inside the stage's shard_map the activations are sharded over the manual batch axes, so FP8
+    amaxes are pmax-ed over them (fp8.py's `amax_axes` hook). A masked-off unit (a padding slot of
+    uneven stages) passes its input through: computed and discarded.
+
+    With `rep` (circular schedule) the params and FP8 state are the stage's whole [R, Lc, ...]
+    stack and, under a remat policy, each unit slices its own weights inside its checkpoint, whose
+    policies never save a slice (not a matmul output): sliced outside, the slice (picked by the
+    tick's repeat index) is a per-tick residual of the tick loop, ticks x the chunk's weights;
+    inside, the residual is the loop-invariant stack and the backward slices again (a copy, not a
+    FLOP). Without a policy, slicing per unit measured worse than the per-tick slice (BUILD_NOTES).
+    """
     dot_general = model.dot_general
     if dot_general is not None:
         dot_general = functools.partial(dot_general, amax_axes=tuple(BATCH_AXES))
     block = stack_unit(model.cfg)(model.cfg, dot_general)
 
-    def layer(x: jax.Array, params_fp8: tuple[Any, Any]) -> tuple[jax.Array, dict]:
-        params, fp8 = params_fp8
-        return block.apply({"params": params, **({FP8_COLLECTION: fp8} if fp8 is not None else {})}, x)
+    def unit(params: Any, fp8: Any, real: Any, x: jax.Array) -> tuple[jax.Array, dict]:
+        y, stats = block.apply({"params": params, **({FP8_COLLECTION: fp8} if fp8 is not None else {})}, x)
+        if real is None:
+            return y, stats
+        return jnp.where(real, y, x), {k: jnp.where(real, v, 0) for k, v in stats.items()}
+
+    def sliced(stack: Any, fp8_stack: Any, rep: jax.Array, j: jax.Array, real: Any, x: jax.Array):
+        pick = lambda c: checkpoint_name(c[rep, j], CHUNK_WEIGHTS)  # noqa: E731
+        return unit(jax.tree.map(pick, stack), jax.tree.map(pick, fp8_stack), real, x)
 
     policy = remat_policy(model.remat)
     if policy is not None:
-        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-    return lambda chunk, x, fp8=None: jax.lax.scan(layer, x, (chunk, fp8))
+        unit = jax.checkpoint(unit, policy=policy, prevent_cse=False)
+        sliced = jax.checkpoint(sliced, policy=policy, prevent_cse=False)
+
+    def stage(chunk: Any, x: jax.Array, fp8: Any = None, mask: Any = None, rep: Any = None):
+        if rep is None or policy is None:
+            if rep is not None:  # KNOWN COST (remat=none): the tick loop keeps this slice per tick
+                chunk, fp8 = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, rep, keepdims=False), (chunk, fp8))
+            return jax.lax.scan(lambda h, xs: unit(*xs, h), x, (chunk, fp8, mask))
+        units = jax.tree.leaves(chunk)[0].shape[1]
+        return jax.lax.scan(lambda h, xs: sliced(chunk, fp8, rep, *xs, h), x, (jnp.arange(units), mask))
+
+    return stage
+
 
 
 def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -216,16 +282,16 @@ def run_pipeline(
             inp = jnp.where((s == 0) & (rep == 0), fresh, state)
             if fp8 is not None:  # a bubble tick's amaxes must be 0 (see the docstring)
                 inp = jnp.where(busy, inp, jnp.zeros_like(inp))
-            if r == 1:  # a loop-invariant chunk: its residual is not stacked per tick
-                chunk, fp8_chunk = jax.tree.map(lambda c: c[0], (chunks, fp8_chunks))
-            else:  # KNOWN COST: the backward keeps this slice per tick (BUILD_NOTES.md)
-                chunk, fp8_chunk = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, rep, keepdims=False),
-                                                (chunks, fp8_chunks))
+            mask = unit_mask(schedule, s, rep)
             # Two half-microbatches per tick, each sent as soon as it is computed: the first
             # half's send depends on nothing the second half computes, so on accelerators the
             # collective-permute runs behind the second half's compute (async start/done pair).
             halves = jnp.split(inp, 2) if inp.shape[0] % 2 == 0 else [inp]
-            results = [stage(chunk, h, fp8_chunk if fp8 is not None else None) for h in halves]
+            if r == 1:  # a loop-invariant chunk: its residual is not stacked per tick
+                chunk, fp8_chunk = jax.tree.map(lambda c: c[0], (chunks, fp8_chunks))
+                results = [stage(chunk, h, fp8_chunk if fp8 is not None else None, mask) for h in halves]
+            else:
+                results = [stage(chunks, h, fp8_chunks if fp8 is not None else None, mask, rep) for h in halves]
             outs = [o for o, _ in results]
             stats = _merge_halves([st for _, st in results])
             # Stats of chunk `rep` on this microbatch; a bubble tick adds nothing.
@@ -253,7 +319,7 @@ def run_pipeline(
         axis_names=manual,
     )(layers, micro, fp8_in)
     # [R, P, Lc, ...] -> [L_units, ...]: chunk v = rep * P + stage holds units v*Lc .. (v+1)*Lc - 1
-    stats = {k: v.reshape(-1, *v.shape[3:]) for k, v in stats.items()}
+    stats = {k: v.reshape(-1, *v.shape[3:])[:schedule.units or None] for k, v in stats.items()}
     return out.swapaxes(0, 1).reshape(b, t, d), stats  # [M, B/M, T, D] -> [B, T, D]
 
 
@@ -271,7 +337,7 @@ def make_pipelined_apply(
         if fp8.get("logits") is not None or fp8.get("embed") is not None:
             outer_vars[FP8_COLLECTION] = {k: v for k, v in fp8.items() if k != "layers"}
         x = model.apply(outer_vars, tokens, method=Transformer.embed_tokens)
-        stack_fp8 = to_stages(fp8["layers"], schedule) if "layers" in fp8 else None
+        stack_fp8 = to_stages(fp8["layers"], schedule, pad="edge") if "layers" in fp8 else None
         x, stats = run_pipeline(model, schedule, mesh, params["layers"], layer_specs, x, stack_fp8)
         return model.apply(outer_vars, x, method=Transformer.head), stats
 

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from parallax.mesh import PIPE
 from parallax.model import Transformer
-from parallax.pipeline import Schedule, _stage_fn, _vary
+from parallax.pipeline import Schedule, _stage_fn, _vary, unit_mask
 from parallax.sharding import BATCH_AXES, keep_axes
 
 
@@ -49,7 +49,7 @@ def make_1f1b_value_and_grad(
     for a in BATCH_AXES:
         n_shards *= mesh.shape[a]
     with_stats = _stage_fn(model)
-    stage = lambda chunk, x: with_stats(chunk, x)[0]  # noqa: E731 - config refuses MoE and FP8 with 1F1B
+    # (config refuses MoE and FP8 with 1F1B: no stats, no FP8 state)
     fwd_ring = [(i, (i + 1) % p) for i in range(p)]
     bwd_ring = [((i + 1) % p, i) for i in range(p)]
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
@@ -63,6 +63,11 @@ def make_1f1b_value_and_grad(
         # Everything a gradient is taken of is marked varying over the batch axes up front, so no
         # implicit reduction lands inside the loop; gradients are averaged over them once, below.
         chunk = jax.tree.map(lambda c: _vary(c[0, 0], BATCH_AXES), chunks)  # [1, 1, Lc, ...] -> [Lc, ...]
+        mask = unit_mask(sched, s)  # uneven stages: this stage's padding slots pass through
+
+        def stage(chunk: Any, x: jax.Array) -> jax.Array:
+            return with_stats(chunk, x, None, mask)[0]
+
         outer = jax.tree.map(lambda o: _vary(o, (*BATCH_AXES, PIPE)), outer)
         micro_x, micro_t = _vary(micro_x, (PIPE,)), _vary(micro_t, (PIPE,))
         zeros_x = jnp.zeros_like(micro_x[0])

@@ -4,8 +4,9 @@
                   [--devices-per-host K] [--attention xla|fused] [--noise-scale B | --noise-scale-from DIR]
                   [--top K] [--json]
 
-Searches every (data, tensor, pipe, expert) with product N that the model's shapes divide, every
-ZeRO stage, microbatch count, pipeline schedule (and circular repeats) and remat policy, and ranks
+Searches every (data, tensor, pipe, expert) with product N that the model's shapes divide (pipe
+need not divide the layers: uneven stages pad the stack), every ZeRO stage, microbatch count,
+pipeline schedule (and circular repeats), remat policy and sequence parallelism on/off, and ranks
 the layouts that fit in device memory by predicted MFU. One vectorised evaluation of cost.py's
 model over all candidates (numpy): a 16,384-device search takes well under a second of arithmetic.
 
@@ -41,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from parallax.config import (Config, ConfigError, ModelConfig, TrainConfig, UserError, apply_overrides, expert_d_ff,
-                             load_experiment)
+                             load_experiment, stack_length, stage_padding)
 from parallax.cost import (CIRCULAR, GPIPE, ONE_F_ONE_B, REMATS, SCHEDULES, Grid, Workload, collective_terms,
                            hardware_flops_per_device, memory_parts, model_flops_per_step)
 from parallax.presets import PUBLISHED  # noqa: F401 - re-exported: the published runs beside compare_published
@@ -61,7 +62,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3)) -> Grid:
+def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3), sequence=(0, 1)) -> Grid:
     """Every layout parallax accepts (config.validate's rules) for `w` on n_devices, as arrays."""
     m = w.model
     E = m.moe.num_experts
@@ -71,8 +72,11 @@ def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3)) -> Grid:
             continue
         if E and expert_d_ff(m) % t:
             continue
+        units = stack_length(m)
         for p in _divisors(n_devices // (t * e)):
-            if m.n_layers % p or (E and p > 1):  # config refuses MoE inside a pipeline (for now)
+            # uneven stages are padded (config.stage_padding); MoE stays out of the pipeline here
+            # until the pipelined-MoE cost terms are validated
+            if stage_padding(units, p) is None or (E and p > 1):
                 continue
             d = n_devices // (t * p * e)
             if w.global_batch % (d * e):
@@ -83,7 +87,8 @@ def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3)) -> Grid:
             for mb in micro:
                 scheds = [(GPIPE, 1)] if mb == 1 and p == 1 else [(GPIPE, 1), (ONE_F_ONE_B, 1)]
                 if p > 1 and mb % p == 0:
-                    scheds += [(CIRCULAR, r) for r in _divisors(m.n_layers // p) if r > 1]
+                    scheds += [(CIRCULAR, r) for r in _divisors(-(-units // p))
+                               if r > 1 and stage_padding(units, p, r) is not None]
                 for (sched, r), zero, remat in itertools.product(scheds, zero_stages, range(len(REMATS))):
                     if zero and m.d_model % d:  # ZeRO shards `embed` over data
                         continue
@@ -91,9 +96,10 @@ def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3)) -> Grid:
                         continue
                     if p == 1 and mb > 1 and sched != ONE_F_ONE_B:
                         continue
-                    rows.append((d, t, p, e, zero, mb, sched, r, remat))
+                    for sp in (sequence if t > 1 and w.seq_len % t == 0 else (0,)):  # sequence parallelism
+                        rows.append((d, t, p, e, zero, mb, sched, r, remat, sp))
     if not rows:
-        return Grid(*(np.zeros(0, int) for _ in range(9)))
+        return Grid(*(np.zeros(0, int) for _ in range(10)))
     a = np.asarray(rows, dtype=np.int64).T
     return Grid(*a)
 
@@ -190,6 +196,7 @@ def _row(g: Grid, ev: dict, i: int) -> dict:
         "data": int(pick(g.data)), "tensor": int(pick(g.tensor)), "pipe": int(pick(g.pipe)), "expert": int(pick(g.expert)),
         "zero": int(pick(g.zero)), "microbatches": int(pick(g.microbatches)), "schedule": SCHEDULES[int(pick(g.schedule))],
         "repeats": int(pick(g.repeats)), "remat": REMATS[int(pick(g.remat))],
+        "sequence_parallel": bool(pick(g.sequence)),
         "memory_gib": round(mem.pop("total"), 3), "memory_parts_gib": {k: round(v, 3) for k, v in mem.items()},
         "step_time_s": float(pick(ev["step_s"])), "mfu": float(pick(ev["mfu"])), "bubble": float(pick(ev["bubble"])),
         "time_parts_s": {k: float(pick(ev[k + "_s"])) for k in ("compute", "tensor", "pipe", "data", "expert")},
@@ -197,9 +204,9 @@ def _row(g: Grid, ev: dict, i: int) -> dict:
 
 
 def search(w: Workload, n_devices: int, dev: Device, per_host: int, attention: str = "xla", fp8: bool = False,
-           top: int = 5) -> Plan:
+           top: int = 5, sequence=(0, 1)) -> Plan:
     started = time.perf_counter()
-    g = candidates(w, n_devices)
+    g = candidates(w, n_devices, sequence=sequence)
     if np.size(g.data) == 0:
         return Plan([], 0, 0, time.perf_counter() - started, [])
     ev = evaluate(w, g, dev, per_host, attention, fp8)
@@ -242,8 +249,10 @@ def compare_published(run: PublishedRun, attention: str = "fused") -> dict:
     pre = PRESETS[run.preset]
     w = Workload(pre.model, run.global_batch or pre.global_batch, pre.seq_len)
     dev, per_host = DEVICES[run.device], run.per_host or DEVICES[run.device].per_host
-    plan = search(w, run.devices, dev, per_host, attention, top=1)
-    g = candidates(w, run.devices)
+    features = (0, 1) if run.sequence_parallel else (0,)
+    plan = search(w, run.devices, dev, per_host, attention, top=1, sequence=features)
+    unrestricted = plan if run.sequence_parallel else search(w, run.devices, dev, per_host, attention, top=1)
+    g = candidates(w, run.devices, sequence=features)
     lay = run.layout
     match = ((np.asarray(g.data) == lay["data"]) & (np.asarray(g.tensor) == lay["tensor"])
              & (np.asarray(g.pipe) == lay["pipe"])) if np.size(g.data) else np.zeros(0, bool)
@@ -256,6 +265,7 @@ def compare_published(run: PublishedRun, attention: str = "fused") -> dict:
         i = int(np.argmax(np.where(fits, ev["mfu"], -1.0))) if fits.any() else int(np.argmin(ev["memory"]["total"]))
         published = {**_row(sub, ev, i), "fits": bool(fits[i])}
     return {"run": run, "chosen": plan.layouts[0] if plan.layouts else None, "published_in_parallax": published,
+            "chosen_all_features": unrestricted.layouts[0] if unrestricted.layouts else None,
             "usable_gib": dev.hbm_bytes * USABLE_MEMORY / GiB}
 
 

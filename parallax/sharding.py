@@ -36,6 +36,9 @@ DEFAULT_RULES: Rules = (
     ("length", None),
     ("activation_batch", BATCH_AXES),
     ("activation_length", None),
+    # The residual stream's T between tensor-parallel regions (MaxText's name): `tensor` under
+    # sequence parallelism (compute_rules), so norms, residual adds and saved block inputs are 1/t.
+    ("activation_norm_length", None),
     ("activation_embed", None),
     ("activation_heads", TENSOR),
     ("activation_kv_heads", TENSOR),
@@ -72,12 +75,27 @@ def _replace(rules: Rules, **targets: Any) -> Rules:
 def make_rules(parallel: ParallelConfig | None = None) -> Rules:
     """Parameter placement (storage) rules under a parallel config: ZeRO-3 puts `embed` on data.
 
-    Compute placement (activations, and parameters at the point of use) always follows
-    DEFAULT_RULES: a ZeRO-3 weight is all-gathered over `data` before its matmul.
+    Compute placement (activations, and parameters at the point of use) follows compute_rules:
+    a ZeRO-3 weight is all-gathered over `data` before its matmul.
     """
     parallel = parallel or ParallelConfig()
     if parallel.zero >= 3:
         return _replace(DEFAULT_RULES, embed=DATA)
+    return DEFAULT_RULES
+
+
+def compute_rules(parallel: ParallelConfig | None = None) -> Rules:
+    """Compute placement (activations, parameters at the point of use) under a parallel config.
+
+    Sequence parallelism (Megatron-LM, Korthikanti et al. 2022) shards the residual stream's
+    sequence dimension over `tensor` between the tensor-parallel regions: each tensor all-reduce
+    of [B, T, D] becomes a reduce-scatter into the T-sharded residual plus an all-gather before
+    the next column-parallel matmul. Same bytes on the wire; the residual stream's activation
+    memory (norms, residual adds, saved block inputs, pipeline sends) falls by the tensor size.
+    """
+    parallel = parallel or ParallelConfig()
+    if parallel.sequence_parallel:
+        return _replace(DEFAULT_RULES, activation_norm_length=TENSOR)
     return DEFAULT_RULES
 
 

@@ -18,14 +18,14 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallax.config import Config, ConfigError
+from parallax.config import Config, ConfigError, stack_length
 from parallax.fp8 import FP8_COLLECTION, transformer_dot_generals
 from parallax.mesh import EXPERT, PIPE
 from parallax.model import Transformer, cross_entropy
 from parallax.optim import make_optimizer
 from parallax.pipeline_1f1b import make_1f1b_value_and_grad
 from parallax.pipeline import Schedule, is_pipelined, make_pipelined_apply, make_schedule, stage_specs, to_stages
-from parallax.sharding import DEFAULT_RULES, Rules, logical_context, logical_shardings, make_rules, optimizer_rules
+from parallax.sharding import Rules, compute_rules, logical_context, logical_shardings, make_rules, optimizer_rules
 
 
 @struct.dataclass
@@ -92,9 +92,9 @@ def _init_params(model: Transformer, cfg: Config, rng: jax.Array, schedule: Sche
 def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None = None) -> Layout:
     model = model or Transformer(cfg.model, remat=cfg.parallel.remat, **transformer_dot_generals(cfg.fp8))
     tx = make_optimizer(cfg)
-    rules = DEFAULT_RULES
+    rules = compute_rules(cfg.parallel)
     stages = mesh.shape[PIPE]
-    schedule = make_schedule(cfg.parallel, stages) if is_pipelined(cfg.parallel, stages) else None
+    schedule = make_schedule(cfg.parallel, stages, stack_length(cfg.model)) if is_pipelined(cfg.parallel, stages) else None
     if schedule is not None and cfg.model.dtype == "bfloat16" and mesh.devices.flat[0].platform == "cpu":
         # XLA:CPU (jaxlib 0.10.2) aborts the process compiling a pipelined bf16 step: refuse first.
         raise ConfigError("model.dtype='bfloat16' with a pipelined layout crashes XLA:CPU; use float32 on CPU")

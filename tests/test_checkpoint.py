@@ -300,6 +300,8 @@ TARGETS = {
     "one_device": (MeshConfig(data=1), ParallelConfig()),
     "data4_pipe2": (MeshConfig(data=4, pipe=2), ParallelConfig(microbatches=2)),
     "data2_pipe4": (MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=4)),  # pipe 2 -> 4
+    # uneven stages: 4 layers in 2 x 3 chunks, the stack padded by 2 identity slots in memory only
+    "data4_pipe2_circular3": (MeshConfig(data=4, pipe=2), ParallelConfig(microbatches=2, schedule="circular", repeats=3)),
 }
 
 
@@ -315,7 +317,7 @@ def _batch(mesh, step: int):
 
 def _layer_major(params, layout) -> list[np.ndarray]:
     if layout.schedule is not None:
-        params = {**params, "layers": to_layer_major(params["layers"])}
+        params = {**params, "layers": to_layer_major(params["layers"], layout.schedule.units)}
     return [np.asarray(x) for x in jax.tree.leaves(params)]
 
 

@@ -10,7 +10,7 @@ import pytest
 from parallax.audit import collectives
 from parallax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, validate
 from parallax.mesh import available_devices, make_mesh
-from parallax.pipeline import Schedule, one_f_one_b_work, to_layer_major, to_stages
+from parallax.pipeline import Schedule, one_f_one_b_work, to_layer_major, to_stages, unit_mask
 from parallax.train_state import bytes_per_device, init_state, make_layout
 from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
 
@@ -77,6 +77,20 @@ def test_stage_layout_is_a_reshape_of_the_layer_stack():
     np.testing.assert_array_equal(staged["w"][1, 0], layers["w"][4:6])
     np.testing.assert_array_equal(staged["w"][0, 1], layers["w"][2:4])
     np.testing.assert_array_equal(to_layer_major(staged)["w"], layers["w"])
+
+
+def test_uneven_stages_pad_the_end_of_the_stack():
+    sched = Schedule(stages=2, microbatches=4, repeats=2, units=7)  # 7 layers in 4 chunks of 2
+    assert (sched.chunk_units, sched.padding) == (2, 1)
+    layers = {"w": np.arange(7 * 3).reshape(7, 3) + 1}
+    staged = to_stages(layers, sched)
+    assert staged["w"].shape == (2, 2, 2, 3)
+    np.testing.assert_array_equal(staged["w"][1, 1, 1], 0)  # the last slot of the last chunk: padding
+    np.testing.assert_array_equal(to_layer_major(staged, 7)["w"], layers["w"])
+    np.testing.assert_array_equal(to_stages(layers, sched, pad="edge")["w"][1, 1, 1], layers["w"][-1])
+    masks = {(rep, s): np.asarray(unit_mask(sched, s, rep)).tolist() for rep in range(2) for s in range(2)}
+    assert masks == {(0, 0): [True, True], (0, 1): [True, True], (1, 0): [True, True], (1, 1): [True, False]}
+    assert unit_mask(Schedule(2, 4, 2, units=8), 1, 1) is None  # nothing padded, nothing masked
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +194,8 @@ def test_no_stage_weight_gathers_and_gradients_reduced_once(pipeline_hlo):
 
 @pytest.mark.parametrize("layers,mesh,parallel,field", [
     (6, MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=4), "model.n_layers"),
-    (8, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="circular", repeats=3), "model.n_layers"),
+    # uneven stages pad the stack, but not so far that a stage holds only padding
+    (3, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="circular", repeats=3), "model.n_layers"),
     (4, MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=2), "parallel.microbatches"),
     (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=3), "train.global_batch"),
     (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="zigzag"), "parallel.schedule"),
@@ -213,7 +228,7 @@ GRID_MODEL = ModelConfig(d_model=16, n_layers=8, n_heads=2, n_kv_heads=2, d_ff=3
 GRID = dataclasses.replace(BASE, model=GRID_MODEL, train=TrainConfig(global_batch=16, seq_len=8, seed=7))
 
 
-def _grid_loss_grads(cfg, devices=None):
+def _grid_loss_grads(cfg, devices=None, units=0):
     mesh = make_mesh(cfg.mesh, devices)
     layout = make_layout(cfg, mesh)
     state = init_state(cfg, layout)
@@ -222,7 +237,7 @@ def _grid_loss_grads(cfg, devices=None):
     loss, grads = make_grad_fn(layout)(state.params, batch)
     grads = dict(grads)
     if layout.schedule is not None:
-        grads["layers"] = to_layer_major(grads["layers"])
+        grads["layers"] = to_layer_major(grads["layers"], layout.schedule.units)
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
@@ -243,3 +258,39 @@ def test_schedule_grid_matches_single_device(grid_reference, schedule, r, p, fac
     for (path, g), ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
         err = np.abs(g - ref).max()
         assert err <= GRAD_ATOL + GRAD_RTOL * np.abs(ref).max(), (jax.tree_util.keystr(path), err)
+
+
+@pytest.mark.parametrize("p,parallel", [
+    (2, ParallelConfig(microbatches=4, schedule="circular", repeats=2, remat="full")),  # slices in the checkpoint
+    (4, ParallelConfig(microbatches=4, schedule="circular", repeats=2, remat="dots")),
+])
+def test_circular_under_remat_matches_single_device(grid_reference, p, parallel):
+    cfg = dataclasses.replace(GRID, mesh=MeshConfig(data=1, pipe=p), parallel=parallel)
+    _assert_matches(_grid_loss_grads(cfg, available_devices(p)), grid_reference)
+
+
+def _assert_matches(got, ref):
+    np.testing.assert_allclose(got[0], ref[0], rtol=LOSS_RTOL)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(ref[1])):
+        assert g.shape == r.shape, jax.tree_util.keystr(path)
+        err = np.abs(g - r).max()
+        assert err <= GRAD_ATOL + GRAD_RTOL * np.abs(r).max(), (jax.tree_util.keystr(path), err)
+
+
+# Uneven stages: 7 layers on 2 or 4 stages (or 2 x 2 chunks) pad the stack with one identity slot.
+UNEVEN = dataclasses.replace(GRID, model=dataclasses.replace(GRID_MODEL, n_layers=7))
+
+
+@pytest.fixture(scope="module")
+def uneven_reference():
+    return _grid_loss_grads(dataclasses.replace(UNEVEN, mesh=MeshConfig(data=1)), available_devices(1))
+
+
+@pytest.mark.parametrize("mesh,parallel", [
+    (MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=4)),
+    (MeshConfig(data=1, pipe=4), ParallelConfig(microbatches=4, schedule="1f1b")),
+    (MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="circular", repeats=2, remat="full", zero=3)),
+])
+def test_uneven_stages_match_single_device(uneven_reference, mesh, parallel):
+    cfg = dataclasses.replace(UNEVEN, mesh=mesh, parallel=parallel)
+    _assert_matches(_grid_loss_grads(cfg, available_devices(mesh.data * mesh.pipe)), uneven_reference)
