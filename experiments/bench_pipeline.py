@@ -180,6 +180,8 @@ def verdict(ratio: float, target: float) -> str:
 def bench_memory(tiny: bool, rows: int, mesh) -> dict:
     out = {}
     for case in MEMORY_CASES:
+        if tiny and case.label == "circular_r2_remat_full":  # a smoke run: one circular case is enough
+            continue
         cfg = make_config(tiny, case, MEMORY_M, rows)
         _, compiled, seconds = compile_step(cfg, mesh)
         mem = memory_figures(compiled)
@@ -318,9 +320,11 @@ def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    colors = {"gpipe": "tab:blue", "circular_r2": "tab:green", "1f1b": "tab:red", "gpipe_remat_full": "tab:purple"}
+    colors = {"gpipe": "tab:blue", "circular_r2": "tab:green", "1f1b": "tab:red", "gpipe_remat_full": "tab:purple",
+              "circular_r2_remat_full": "tab:olive"}
     styles = {"gpipe": "-", "circular_r2": "-.", "1f1b": "--"}
-    names = {"gpipe": "GPipe", "circular_r2": "circular (r=2)", "1f1b": "1F1B", "gpipe_remat_full": "GPipe, remat full"}
+    names = {"gpipe": "GPipe", "circular_r2": "circular (r=2)", "1f1b": "1F1B", "gpipe_remat_full": "GPipe, remat full",
+             "circular_r2_remat_full": "circular (r=2), remat full"}
     fig, (ax, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [1.4, 1]})
     grid = np.linspace(min(ms), max(ms), 200)
     handles = []
@@ -339,10 +343,11 @@ def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str) -> None:
         if all(t is not None for _, t in mem_pts):
             ax_mem.plot([m for m, _ in mem_pts], [t / MIB for _, t in mem_pts], "o" + styles.get(label, "-"),
                         color=color, label=names.get(label, label))
-    full = mem.get("gpipe_remat_full", {}).get("memory")
-    if full is not None:
-        ax_mem.plot([MEMORY_M], [full["temp_bytes"] / MIB], "s", color=colors["gpipe_remat_full"], ms=7,
-                    label=f"{names['gpipe_remat_full']} (m={MEMORY_M} only)")
+    for label, marker in (("gpipe_remat_full", "s"), ("circular_r2_remat_full", "D")):
+        full = mem.get(label, {}).get("memory")
+        if full is not None:
+            ax_mem.plot([MEMORY_M], [full["temp_bytes"] / MIB], marker, color=colors[label], ms=7,
+                        label=f"{names[label]} (m={MEMORY_M} only)")
     handles += [
         Line2D([], [], color="0.3", marker="o", ls="", label="measured: wall-clock fit c/(am+c)"),
         Line2D([], [], color="0.3", marker="x", ls="", mew=1.5, label="measured: CPU-time fit"),

@@ -260,13 +260,12 @@ def test_schedule_grid_matches_single_device(grid_reference, schedule, r, p, fac
         assert err <= GRAD_ATOL + GRAD_RTOL * np.abs(ref).max(), (jax.tree_util.keystr(path), err)
 
 
-@pytest.mark.parametrize("p,parallel", [
-    (2, ParallelConfig(microbatches=4, schedule="circular", repeats=2, remat="full")),  # slices in the checkpoint
-    (4, ParallelConfig(microbatches=4, schedule="circular", repeats=2, remat="dots")),
-])
-def test_circular_under_remat_matches_single_device(grid_reference, p, parallel):
-    cfg = dataclasses.replace(GRID, mesh=MeshConfig(data=1, pipe=p), parallel=parallel)
-    _assert_matches(_grid_loss_grads(cfg, available_devices(p)), grid_reference)
+def test_circular_under_remat_matches_single_device(grid_reference):
+    """Each unit slices its weights inside its checkpoint (pipeline._stage_fn); `dots` takes the
+    same path as `full` with another policy."""
+    parallel = ParallelConfig(microbatches=4, schedule="circular", repeats=2, remat="full")
+    cfg = dataclasses.replace(GRID, mesh=MeshConfig(data=1, pipe=2), parallel=parallel)
+    _assert_matches(_grid_loss_grads(cfg, available_devices(2)), grid_reference)
 
 
 def _assert_matches(got, ref):
