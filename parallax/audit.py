@@ -428,6 +428,8 @@ def format_report(a: dict, title: str) -> str:
             lines.append(f"      model: {'; '.join(r['model'])}")
         elif r["bytes"] <= SCALAR_BYTES:
             lines.append("      loss, norm and MoE routing-statistics scalars (not modelled)")
+        elif not r["axes"]:
+            lines.append("      groups of one device: a no-op the compiler kept (nothing crosses a link)")
         elif r["explained"]:
             lines.append("      part of a reduction XLA split over another group (counted in the axis total below)")
     if not a["collectives"]:

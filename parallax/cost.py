@@ -313,7 +313,7 @@ def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> lis
     # gradient over data (full size, or reduce-scatter), then over expert on the 1/data slice it
     # keeps (seen under ZeRO-1 on XLA:CPU; ZeRO-3 there keeps one (data, expert) all-reduce). Norm
     # scales have no `embed` dimension (never ZeRO-sharded): one (data, expert) all-reduce.
-    split = on_data & on_e & ((s.zero == 1) | scatter)
+    split = on_data & on_e & ((s.zero == 1) | scatter) & ~piped
     kinds = (("all-reduce", ~scatter, 1), ("reduce-scatter", scatter, dp))
     for kind, on, shard in kinds:
         add(batch_axes, kind, "layer gradients (in the backward loop)", 4 * s.unit_ne / shard, s.U,
@@ -328,10 +328,22 @@ def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> lis
         4 * (s.unit_ne - s.unit_norms) / s.d, s.U, grad_loop & split, "backward", None, s.ep)
     add(batch_axes, "all-reduce", "norm-scale gradients (ZeRO-1 with experts)", 4 * s.unit_norms, s.U,
         grad_loop & split, "backward", None, dp)
-    for kind, on in (("all-reduce", on_d & ~(scatter | (s.zero == 3))), ("reduce-scatter", on_d & (scatter | (s.zero == 3)))):
-        shard = 1 if kind == "all-reduce" else dp
-        add(batch_axes, kind, "layer gradients (once, after the tick loop)", 4 * s.Ldev * s.layer_t / shard, 1,
-            on & piped, "exposed", None, dp)
+    # Pipelined: once after the tick loop; expert weights over `data` alone, as in the loop above.
+    # Under ZeRO-3 with experts the stage's weights enter the shard_map varying over (data,
+    # expert) and gathered over data: the transpose sums over expert (full size), then
+    # reduce-scatters over data (pipeline.run_pipeline; the same on every platform).
+    units_dev = s.Ldev / s.unit
+    zero3_e = piped & (s.zero == 3) & on_e
+    for kind, on in (("all-reduce", ~(scatter | (s.zero == 3))), ("reduce-scatter", scatter | (s.zero == 3))):
+        scattered = kind == "reduce-scatter"
+        add(batch_axes, kind, "layer gradients (once, after the tick loop)",
+            4 * units_dev * s.unit_ne / (dp if scattered else 1), 1, on_d & on & piped & ~zero3_e, "exposed", None, dp)
+        add(("data",), kind, "MoE expert-weight gradients (once, after the tick loop; data only)",
+            4 * units_dev * s.unit_ex / (s.d if scattered else 1), 1, on_data & on & piped, "exposed", None, s.d)
+    add(("expert",), "all-reduce", "layer gradients but experts, over expert (pipelined ZeRO-3)",
+        4 * units_dev * s.unit_ne, 1, zero3_e, "exposed", None, s.ep)
+    add(("data",), "reduce-scatter", "layer gradients but experts, over data (pipelined ZeRO-3)",
+        4 * units_dev * s.unit_ne / s.d, 1, zero3_e & on_data, "exposed", None, s.d)
     # 1F1B reduces the embedding twice: its (zero) head-side gradient inside, the real one outside.
     outer_t = s.outer_t + np.where(f1b, s.embed_t, 0)
     for kind, on, shard in kinds:

@@ -22,9 +22,9 @@ pipelined: exposed); ZeRO-3 gathers prefetched behind compute; pipeline sends be
 half-microbatch's compute (exposed only where longer); the 1F1B/GPipe bubble (P-1)/(R M+P-1);
 the MoE all-to-alls over `expert` exposed (the expert matmuls wait for the dispatched slots).
 
-MoE models search `expert` too (dividing num_experts; the batch is split over data x expert).
-MoE layouts keep pipe = 1 and one microbatch: MoE runs inside GPipe/circular stages, but the cost
-model's pipelined-MoE terms are not validated against compiles yet.
+MoE models search `expert` too (dividing num_experts; the batch is split over data x expert), with
+MoE blocks inside GPipe/circular stages when pipe > 1 (tests/test_cost_moe.py validates those
+terms against compiles); config refuses MoE with 1F1B.
 The device, preset and published-run tables live in presets.py.
 """
 
@@ -74,9 +74,7 @@ def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3), sequence=(0, 
             continue
         units = stack_length(m)
         for p in _divisors(n_devices // (t * e)):
-            # uneven stages are padded (config.stage_padding); MoE stays out of the pipeline here
-            # until the pipelined-MoE cost terms are validated
-            if stage_padding(units, p) is None or (E and p > 1):
+            if stage_padding(units, p) is None:  # uneven stages are padded, up to a point
                 continue
             d = n_devices // (t * p * e)
             if w.global_batch % (d * e):
@@ -85,7 +83,8 @@ def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3), sequence=(0, 
             micro = [1] if p == 1 else [mb for mb in _divisors(shard_rows) if mb >= p]
             micro += [mb for mb in _divisors(shard_rows) if p == 1 and mb > 1 and not E]  # 1F1B-only memory lever
             for mb in micro:
-                scheds = [(GPIPE, 1)] if mb == 1 and p == 1 else [(GPIPE, 1), (ONE_F_ONE_B, 1)]
+                # (config refuses MoE with 1F1B: GPipe and circular carry the router losses)
+                scheds = [(GPIPE, 1)] if (mb == 1 and p == 1) or E else [(GPIPE, 1), (ONE_F_ONE_B, 1)]
                 if p > 1 and mb % p == 0:
                     scheds += [(CIRCULAR, r) for r in _divisors(-(-units // p))
                                if r > 1 and stage_padding(units, p, r) is not None]
@@ -309,9 +308,10 @@ def _no_factorization(w: Workload, n: int) -> str:
     m = w.model
     return (f"--devices {n}: no (data, tensor, pipe, expert) factorization of {n} fits the model's divisibility: tensor must "
             f"divide n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}, d_ff={m.d_ff} and vocab_size={m.vocab_size}; "
-            f"pipe must divide n_layers={m.n_layers}; data must divide train.global_batch={w.global_batch}"
+            f"pipe must leave every stage a layer of the n_layers={m.n_layers} (uneven stages are padded); data must "
+            f"divide train.global_batch={w.global_batch}"
             + (f"; expert must divide moe.num_experts={m.moe.num_experts} (tensor also moe.d_ff={expert_d_ff(m)}, "
-               f"data x expert the batch; MoE layouts keep pipe=1)" if m.moe.num_experts else ""))
+               f"data x expert the batch)" if m.moe.num_experts else ""))
 
 
 def cap_batch(global_batch: int, noise_scale: float, splittable=lambda batch: True) -> tuple[int, str | None]:
@@ -358,7 +358,8 @@ def explain(row: dict, dev: Device, per_host: int, n: int) -> str:
     t, p, d = row["tensor"], row["pipe"], row["data"]
     parts = [f"tensor={t} " + ("keeps each layer's Megatron all-reduces inside one fast domain "
                               f"({per_host} devices)" if t <= per_host else "crosses fast domains (slow all-reduces)")
-             + (" and splits the layer's weights and activations" if t > 1 else "")]
+             + (" and splits the layer's weights and activations" if t > 1 else "")
+             + (" (with sequence parallelism: the residual stream too)" if row["sequence_parallel"] else "")]
     if p > 1:
         parts.append(f"pipe={p} splits the {row['microbatches']} microbatches' depth over stages "
                      f"({row['schedule']}{', ' + str(row['repeats']) + ' chunks per stage' if row['repeats'] > 1 else ''}; "
@@ -438,14 +439,15 @@ def plan_command(args: argparse.Namespace) -> int:
           f"{result.seconds:.2f} s")
     for line in notes:
         print(f"note: {line}")
-    head = f"{'#':>2} {'data':>5} {'tensor':>6} {'pipe':>4} {'expert':>6} {'zero':>4} {'micro':>5} {'schedule':>10} {'remat':>5} " \
-           f"{'GiB':>6} {'step s':>8} {'bubble':>6} {'MFU':>6}"
+    head = f"{'#':>2} {'data':>5} {'tensor':>6} {'seq':>3} {'pipe':>4} {'expert':>6} {'zero':>4} {'micro':>5} {'schedule':>10} " \
+           f"{'remat':>5} {'GiB':>6} {'step s':>8} {'bubble':>6} {'MFU':>6}"
     print(head)
     for i, r in enumerate(result.layouts, 1):
         sched = r["schedule"] + (f"x{r['repeats']}" if r["repeats"] > 1 else "")
-        print(f"{i:>2} {r['data']:>5} {r['tensor']:>6} {r['pipe']:>4} {r['expert']:>6} {r['zero']:>4} {r['microbatches']:>5} "
-              f"{sched:>10} {r['remat']:>5} {r['memory_gib']:>6.1f} {r['step_time_s']:>8.3f} {r['bubble']:>6.1%} "
-              f"{r['mfu']:>6.1%}")
+        seq = "SP" if r["sequence_parallel"] else "-"
+        print(f"{i:>2} {r['data']:>5} {r['tensor']:>6} {seq:>3} {r['pipe']:>4} {r['expert']:>6} {r['zero']:>4} "
+              f"{r['microbatches']:>5} {sched:>10} {r['remat']:>5} {r['memory_gib']:>6.1f} {r['step_time_s']:>8.3f} "
+              f"{r['bubble']:>6.1%} {r['mfu']:>6.1%}")
     print(explain(result.layouts[0], dev, per_host, args.devices))
     return 0
 

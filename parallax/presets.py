@@ -81,8 +81,8 @@ PRESETS = {
                        "Megatron-LM's 1T shape (Narayanan et al. 2021; SwiGLU d_ff ~8D/3); batch 8192 x 2048 "
                        "(16.8M tokens) so that data=128 x pipe=16 has microbatches to fill the pipeline"),
     "llama3-405b": Preset(_m(16384, 126, 128, 8, 53248, 128256), 2048, 8192,
-                          "Llama 3 405B (Dubey et al. 2024): 16M-token steps at 8K context; parallax needs "
-                          "n_layers divisible by pipe (Meta's 16 stages were uneven)"),
+                          "Llama 3 405B (Dubey et al. 2024): 16M-token steps at 8K context; 126 layers: pipe "
+                          "sizes that do not divide them pad the stack (uneven stages, as Meta's 16 were)"),
     "palm-540b": Preset(_m(18432, 118, 48, 12, 73728, 258048), 2048, 2048,
                         "PaLM 540B-like (Chowdhery et al. 2022): parallax ties head dim to d_model/heads (384, "
                         "PaLM 256) and shards kv heads over tensor (12 here, PaLM multi-query 1): 586B params; "
