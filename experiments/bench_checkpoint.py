@@ -57,12 +57,12 @@ STALL_TARGET = 0.10
 QUICKSTART = Path(__file__).resolve().parent / "quickstart.py"
 
 
-def make_config(tiny: bool):
+def make_config(tiny: bool, nice: int = CheckpointConfig.background_nice):
     cfg = load_experiment(QUICKSTART)
     if tiny:
         cfg = dataclasses.replace(cfg, model=ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64),
                                   train=dataclasses.replace(cfg.train, seq_len=16, global_batch=8))
-    return dataclasses.replace(cfg, checkpoint=CheckpointConfig(every=1, keep=2))
+    return dataclasses.replace(cfg, checkpoint=CheckpointConfig(every=1, keep=2, background_nice=nice))
 
 
 def dir_bytes(path: Path) -> int:
@@ -77,12 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round-steps", type=int, default=None, help="steps per round (default 8; tiny 4)")
     ap.add_argument("--dir", help="where to write checkpoints (default: a temporary directory)")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--nice", type=int, default=CheckpointConfig.background_nice,
+                    help="checkpoint.background_nice for the saves (default %(default)s; 0: the process's priority)")
     args = ap.parse_args(argv)
     saves = args.saves or (2 if args.tiny else 5)
     rounds = args.rounds or (2 if args.tiny else 6)
     round_steps = args.round_steps or (4 if args.tiny else 8)
 
-    cfg = make_config(args.tiny)
+    cfg = make_config(args.tiny, args.nice)
     mesh = make_mesh(cfg.mesh)
     layout = make_layout(cfg, mesh)
     state = init_state(cfg, layout)

@@ -128,6 +128,9 @@ class TrainConfig:
 class CheckpointConfig:
     every: int = 100  # steps between saves; <= 0 saves only at the end (and on preemption)
     keep: int = 3  # most recent checkpoints kept; >= 2 leaves a fallback if the newest is damaged
+    # nice value (0..19) of a save's background threads: the write takes the host's idle cycles,
+    # not the step's (0 leaves them at the training process's priority)
+    background_nice: int = 19
 
 
 @dataclass(frozen=True)
@@ -292,6 +295,8 @@ def validate(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"train.max_bad_steps: must be positive, got {tr.max_bad_steps}")
     if cfg.checkpoint.keep <= 0:
         raise ConfigError(f"checkpoint.keep: must be positive, got {cfg.checkpoint.keep}")
+    if not 0 <= cfg.checkpoint.background_nice <= 19:
+        raise ConfigError(f"checkpoint.background_nice: must be in 0..19 (a nice value), got {cfg.checkpoint.background_nice}")
     dp = sizes["data"] * sizes["expert"]
     if tr.global_batch % dp:
         raise ConfigError(

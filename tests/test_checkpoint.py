@@ -7,6 +7,7 @@ and log bit-identical losses (same mesh, same machine). Real process kills run t
 subprocess; everything else calls `parallax.train.main` in-process to save interpreter start-ups.
 """
 
+import dataclasses
 import json
 import os
 import random
@@ -14,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,8 +24,8 @@ import numpy as np
 import pytest
 
 from parallax.checkpoint import DAMAGED_DIR, Checkpoints, make_meta
-from parallax.config import (Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
-                             apply_overrides, load_experiment)
+from parallax.config import (CheckpointConfig, Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig,
+                             TrainConfig, apply_overrides, load_experiment)
 from parallax.mesh import available_devices, make_mesh
 from parallax.pipeline import to_layer_major
 from parallax.train import main
@@ -380,3 +382,43 @@ def test_guard_leaves_the_state_unchanged(source):
     assert int(after.step) == int(before.step) + 1
     for a, b in zip(jax.tree.leaves(after.replace(step=before.step)), jax.tree.leaves(before)):
         np.testing.assert_array_equal(np.asarray(a), b)  # NaN == NaN here
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread priorities are read through /proc (Linux)")
+@pytest.mark.parametrize("nice", [19, 0])
+def test_a_save_runs_its_background_threads_at_checkpoint_background_nice(tmp_path, monkeypatch, nice):
+    """The threads a save starts (Orbax's writers, tensorstore's pool) run at
+    checkpoint.background_nice, so that the write takes idle host cycles rather than the step's."""
+    import parallax.checkpoint as checkpoint
+
+    cfg = dataclasses.replace(_reshard_config(MeshConfig(data=1), ParallelConfig()),
+                              checkpoint=CheckpointConfig(background_nice=nice))
+    mesh = make_mesh(cfg.mesh, available_devices(1))
+    layout = make_layout(cfg, mesh)
+    state = init_state(cfg, layout)
+    lowered = []
+    real = checkpoint._lower_priority
+
+    def record(threads, value):
+        real(threads, value)
+        lowered.append({tid: _nice_of(tid) for tid in threads})
+
+    monkeypatch.setattr(checkpoint, "_lower_priority", record)
+    with Checkpoints(tmp_path, cfg.checkpoint) as ckpt:
+        ckpt.open(layout)
+        ckpt.save(1, state, make_meta(cfg, 1, mesh))
+    assert Checkpoints(tmp_path, cfg.checkpoint).steps() == [1]
+    if nice == 0:
+        assert not lowered  # left at the process's priority
+        return
+    (seen,) = lowered
+    alive = {tid: n for tid, n in seen.items() if n is not None}
+    assert alive and set(alive.values()) == {nice}, seen  # the save's threads, all lowered
+    assert _nice_of(threading.get_native_id()) == 0  # never the training thread itself
+
+
+def _nice_of(tid: int) -> int | None:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError:  # the thread has already exited
+        return None

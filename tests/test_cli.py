@@ -143,6 +143,7 @@ SET_CASES = [
     ("nested-unknown-field", ["model.moe.experts=4"], ["unknown config key", "model.moe.experts", "num_experts"]),
     ("nested-section-given-value", ["model.moe=4"], ["unknown config key", "model.moe", "a section"]),
     ("nested-wrong-type", ["model.moe.top_k=two"], ["model.moe.top_k", "expected int", "two"]),
+    ("nice-out-of-range", ["checkpoint.background_nice=20"], ["checkpoint.background_nice", "0..19", "20"]),
 ]
 
 
