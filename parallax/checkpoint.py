@@ -22,7 +22,11 @@ one is restored instead.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import inspect
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,6 +230,30 @@ def _handlers() -> dict:
     return {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry), "meta": ocp.JsonCheckpointHandler()}
 
 
+@contextlib.contextmanager
+def _quiet_failed_reads():
+    """Orbax leaves the per-array read coroutines of a failed restore to the garbage collector,
+    which reports each one's error on stderr ("Exception ignored in <coroutine ...>" with the
+    array's whole TensorStore spec: 27,000 lines for a tiny model with one truncated file), and
+    late TensorStore callbacks hit the closed event loop. The failure is reported once, as one
+    line, by `restore`; only those two kinds are dropped, anything else reaches the usual hook."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        loop_closed = isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)
+        if not (inspect.iscoroutine(unraisable.object) or loop_closed):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    failed: list[bool] = []
+    try:
+        yield failed
+    finally:
+        gc.collect()  # collect the abandoned coroutines while the hook is in place
+        if not failed:  # after a failed read, TensorStore callbacks can still arrive: keep it
+            sys.unraisablehook = previous
+
+
 def _thread_ids() -> set[int]:
     """This process's OS threads (Linux: /proc/self/task); empty where there is no such view."""
     try:
@@ -281,7 +309,7 @@ class Checkpoints:
         """
         disk = self._disk = DiskForm(layout)
         damaged: list[Damaged] = []
-        with self._reader() as manager:
+        with self._reader() as manager, _quiet_failed_reads() as failed:
             for step in sorted(manager.all_steps(), reverse=True):
                 where = f"checkpoint {str(self.path(step))!r}"
                 try:
@@ -292,6 +320,7 @@ class Checkpoints:
                 except Exception as e:  # unreadable: damaged or partial; try the previous one
                     _raise_if_not_about_the_files(e)
                     damaged.append(Damaged(step, _reason(e)))
+                    failed.append(True)
                     continue
                 check_config(meta, cfg, where)
                 check_shapes(getattr(saved, "tree", saved), disk.target, where)
@@ -302,6 +331,7 @@ class Checkpoints:
                 except Exception as e:  # a truncated or missing array file
                     _raise_if_not_about_the_files(e)
                     damaged.append(Damaged(step, _reason(e)))
+                    failed.append(True)
                     continue
                 return Restored(disk.from_disk(state), step, meta, damaged)
         listed = "; ".join(f"step {d.step}: {d.reason}" for d in damaged)
