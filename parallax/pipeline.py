@@ -1,10 +1,12 @@
 """The `pipe` axis: the block stack split into stages, microbatches passed round a ppermute ring.
 
 Layout. The scanned stack's parameters [L, ...] are reshaped to [R, P, Lc, ...] (R repeats, P
-stages, Lc = L / (R P) layers per chunk) with the P dimension sharded over `pipe`: chunk
-v = rep * P + s holds layers v*Lc .. (v+1)*Lc - 1 and lives on stage s = v mod P. The reshape is
-the whole conversion, so checkpoints stay layer-major (`to_layer_major` / `to_stages`) and the
-same seed initialises the same weights on any pipe size.
+stages, Lc = ceil(L / (R P)) layers per chunk) with the P dimension sharded over `pipe`: chunk
+v = rep * P + s holds layers v*Lc .. (v+1)*Lc - 1 and lives on stage s = v mod P. When R*P does
+not divide L (uneven stages) the stack is first padded at its end with identity slots (zero
+weights, masked per unit). The pad and reshape are the whole conversion, so checkpoints stay
+layer-major and unpadded (`to_layer_major` / `to_stages`) and the same seed initialises the same
+weights on any pipe size.
 
 Schedule. One SPMD program: a `shard_map` manual only over `pipe` (data, tensor and expert stay
 with the partitioner) scans over ticks; each tick every stage runs one chunk on one microbatch
@@ -25,7 +27,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from parallax.config import ParallelConfig
@@ -33,8 +34,6 @@ from parallax.fp8 import FP8_COLLECTION
 from parallax.mesh import DATA, PIPE
 from parallax.model import Transformer, moe_stat_shapes, remat_policy, stack_unit
 from parallax.sharding import BATCH_AXES, keep_axes
-
-CHUNK_WEIGHTS = "chunk_weights"  # checkpoint name of a circular chunk's per-tick weight slice
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
 
@@ -172,11 +171,13 @@ def _stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
     uneven stages) passes its input through: computed and discarded.
 
     With `rep` (circular schedule) the params and FP8 state are the stage's whole [R, Lc, ...]
-    stack and, under a remat policy, each unit slices its own weights inside its checkpoint, whose
-    policies never save a slice (not a matmul output): sliced outside, the slice (picked by the
-    tick's repeat index) is a per-tick residual of the tick loop, ticks x the chunk's weights;
-    inside, the residual is the loop-invariant stack and the backward slices again (a copy, not a
-    FLOP). Without a policy, slicing per unit measured worse than the per-tick slice (BUILD_NOTES).
+    stack and, under a remat policy, each unit slices its own weights inside its checkpoint.
+    `full` and `dots` never save a slice (not a matmul output): sliced outside, the slice (picked
+    by the tick's repeat index) is a per-tick residual of the tick loop, ticks x the chunk's
+    weights; inside, the residual is the loop-invariant stack and the backward slices again (a
+    copy, not a FLOP). ZeRO-3's `none` policy saves everything but the gathered weights, slices
+    included, so it keeps them like the per-tick slice. Without a policy, slicing per unit
+    measured worse than the per-tick slice (BUILD_NOTES.md).
     """
     dot_general = model.dot_general
     if dot_general is not None:
@@ -190,7 +191,7 @@ def _stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
         return jnp.where(real, y, x), {k: jnp.where(real, v, 0) for k, v in stats.items()}
 
     def sliced(stack: Any, fp8_stack: Any, rep: jax.Array, j: jax.Array, real: Any, x: jax.Array):
-        pick = lambda c: checkpoint_name(c[rep, j], CHUNK_WEIGHTS)  # noqa: E731
+        pick = lambda c: c[rep, j]  # noqa: E731
         return unit(jax.tree.map(pick, stack), jax.tree.map(pick, fp8_stack), real, x)
 
     policy = remat_policy(model.remat)
@@ -207,7 +208,6 @@ def _stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
         return jax.lax.scan(lambda h, xs: sliced(chunk, fp8, rep, *xs, h), x, (jnp.arange(units), mask))
 
     return stage
-
 
 
 def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
