@@ -90,12 +90,6 @@ def test_sequence_parallel_matches_one_device(reference, case):
     _assert_same(_loss_grads(dataclasses.replace(BASE, mesh=mesh, parallel=parallel)), reference)
 
 
-def test_sequence_parallel_matches_the_same_mesh_without_it():
-    cfg = dataclasses.replace(BASE, mesh=MeshConfig(data=2, tensor=4))
-    on = _loss_grads(dataclasses.replace(cfg, parallel=SP))
-    _assert_same(on, _loss_grads(cfg))
-
-
 def test_moe_routing_and_gradients_unchanged():
     """The MoE layer reads the gathered (full-T) norm output: routing is per sequence, so which
     tokens drop (capacity factor 1.0) and every gradient are as without sequence parallelism."""
