@@ -360,14 +360,20 @@ def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> lis
     add(("data",), "all-gather", "ZeRO-1: updated parameters", 4 * s.params_t / (s.unit_arrays + n_outer),
         s.unit_arrays + n_outer, on_data & z1, "exposed", None, s.d)
     # ZeRO-3 outside the pipeline: per unit before use; the `none` policy keeps the gathered
-    # weights for the backward pass, a remat policy gathers them again there.
+    # weights for the backward pass, a remat policy gathers them again there. Matmul weights
+    # are cast on their shard and gathered in the compute dtype (sharding.constrain_param; XLA:CPU
+    # promotes bfloat16 collectives to float32); norm scales and the router stay float32. The
+    # pipeline's stage gather (pipeline.run_pipeline) moves float32.
+    wb = 4 if (s.cpu or w.model.dtype == "float32") else 2
+    fp32_unit = s.unit_norms + s.moe * s.D * s.E
+    unit_gather = wb * (s.unit_t - fp32_unit) + 4 * fp32_unit
     regather = np.where(s.remat == NONE, 1, 2)
-    add(("data",), "all-gather", "ZeRO-3: layer weights", 4 * s.unit_t / s.unit_arrays, s.unit_arrays * s.U * regather,
+    add(("data",), "all-gather", "ZeRO-3: layer weights", unit_gather / s.unit_arrays, s.unit_arrays * s.U * regather,
         on_data & z3 & ~piped, "compute", None, s.d)
     add(("data",), "all-gather", "ZeRO-3: stage weights (once per step)", 4 * s.Ldev * s.layer_t / s.unit_arrays,
         s.unit_arrays, on_data & z3 & piped, "exposed", None, s.d)
-    add(("data",), "all-gather", "ZeRO-3: embedding, head, final norm", 4 * s.outer_t / n_outer, n_outer,
-        on_data & z3, "compute", None, s.d)
+    add(("data",), "all-gather", "ZeRO-3: embedding, head, final norm", (wb * (s.outer_t - s.D) + 4 * s.D) / n_outer,
+        n_outer, on_data & z3, "compute", None, s.d)
     return terms
 
 
@@ -407,7 +413,8 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     full = D * c * (CPU_FULL_SAVED if s.cpu else 1.0) / sp_t  # the unit's input
     saved_tok = np.select([s.remat == NONE, s.remat == FULL], [none, full], dots) / s.unit  # per layer
     if not s.cpu and w.model.dtype != "float32":  # bfloat16 copies of the weights kept per layer
-        saved_layer = np.where(s.remat == NONE, 2 * (s.layer_t - 2 * D), 0)
+        # (unpipelined ZeRO-3: those copies are the gathered weights, counted in `gathered`)
+        saved_layer = np.where((s.remat == NONE) & ~((s.zero == 3) & ~s.piped), 2 * (s.layer_t - 2 * D), 0)
     else:
         saved_layer = 0
     tok_m = s.tok / s.M
@@ -442,7 +449,8 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     head_tok = np.where(s.f1b, tok_m, s.tok)
     logits = logits_k * head_tok * vocab_t * 4 + s.tok * vocab_t * c
     # ZeRO-3 with the `none` policy keeps every gathered layer for the backward pass (see above).
-    gathered = np.where((s.zero == 3) & (s.remat == NONE) & ~s.piped, 4 * s.L * s.layer_t, 0)
+    # (in the compute dtype: the matmul weights are cast before their gather, constrain_param)
+    gathered = np.where((s.zero == 3) & (s.remat == NONE) & ~s.piped, c * s.L * s.layer_t, 0)
     gathered = gathered + np.where((s.zero == 3) & s.piped, 4 * s.params_t, 0)
     # ... and outside a pipeline one unit's full-size expert-weight gradient before and after
     # its all-reduce, plus (remat) the unit's experts gathered again. Dense weights do the same,

@@ -45,7 +45,7 @@ class Dense(nn.Module):
             (*in_shape, *self.features),
             jnp.float32,
         )
-        kernel = constrain_param(kernel, self.axes)  # ZeRO-3: all-gather here
+        kernel = constrain_param(kernel, self.axes, self.dtype)  # ZeRO-3: all-gather here, in self.dtype
         lhs_dims = tuple(range(x.ndim - self.contract, x.ndim))
         dims = ((lhs_dims, tuple(range(self.contract))), ((), ()))
         return _dot_general(self.dot_general)(
@@ -77,7 +77,7 @@ class Embed(nn.Module):
 
     @property
     def table(self) -> jax.Array:
-        return constrain_param(self.embedding, ("vocab", "embed"))
+        return constrain_param(self.embedding, ("vocab", "embed"), self.dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         # [B, T] -> [B, T, D]. A one-hot matmul rather than a gather: with `vocab` sharded over

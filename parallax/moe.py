@@ -233,9 +233,10 @@ class MoE(nn.Module):
     dot_general: DotGeneralFactory = None  # the expert matmuls (FP8-capable); the router stays fp32
     exchange: Exchange = LOCAL
 
-    def _kernel(self, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float) -> jax.Array:
+    def _kernel(self, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float,
+                dtype: Any = None) -> jax.Array:
         w = self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), axes), shape, jnp.float32)
-        return constrain_param(w, axes)  # ZeRO-3: all-gathered here
+        return constrain_param(w, axes, dtype)  # ZeRO-3: all-gathered here (in the compute dtype, if given)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -253,8 +254,8 @@ class MoE(nn.Module):
         slots = constrain(dispatch(x.astype(self.dtype), routing, slot, keep, cap), SLOTS)  # [B, E, C, D]
         slots = constrain(self.exchange.to_experts(slots), EXPERT_SLOTS)
         e_here = self.exchange.experts_here(e)
-        wi = self._kernel("wi", (e_here, d, 2, f), ("exp", "embed", None, "mlp"), self.init_std)
-        wo = self._kernel("wo", (e_here, f, d), ("exp", "mlp", "embed"), self.out_std)
+        wi = self._kernel("wi", (e_here, d, 2, f), ("exp", "embed", None, "mlp"), self.init_std, self.dtype)
+        wo = self._kernel("wo", (e_here, f, d), ("exp", "mlp", "embed"), self.out_std, self.dtype)
         # One batched matmul over the local experts: [B, E, C, D] x [E, D, 2, F] -> [E, B, C, 2, F].
         # Two dot_general instances: each FP8 operand keeps its own scale and history.
         gate_up = _dot_general(self.dot_general)(slots, wi.astype(self.dtype), (((3,), (1,)), ((1,), (0,))), preferred_element_type=self.dtype)
@@ -275,8 +276,8 @@ class MoE(nn.Module):
             raise ValueError("model.moe.dispatch='ragged' runs its experts with ragged_dot, which has no FP8 path")
         d, e, f = x.shape[-1], c.num_experts, self.d_ff
         e_here = self.exchange.experts_here(e)
-        wi = self._kernel("wi", (e_here, d, 2, f), ("exp", "embed", None, "mlp"), self.init_std)
-        wo = self._kernel("wo", (e_here, f, d), ("exp", "mlp", "embed"), self.out_std)
+        wi = self._kernel("wi", (e_here, d, 2, f), ("exp", "embed", None, "mlp"), self.init_std, self.dtype)
+        wo = self._kernel("wo", (e_here, f, d), ("exp", "mlp", "embed"), self.out_std, self.dtype)
         y = self.exchange.ragged(ragged_layer(e), x.astype(self.dtype), routing.experts, routing.gates, wi, wo)
         if c.shared_experts:
             y = y + MLP(c.shared_experts * f, self.init_std, self.out_std, self.dtype, self.dot_general, name="shared")(x)

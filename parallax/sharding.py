@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -300,7 +302,7 @@ def params_pinned() -> bool:
     return _PIN_PARAMS.get()
 
 
-def constrain_param(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+def constrain_param(x: jax.Array, names: tuple[str | None, ...], dtype: Any = None) -> jax.Array:
     """Place a parameter in its compute layout where it is used, if storage differs (ZeRO-3).
 
     Where parameters are stored (ZeRO-3: sharded over `data` on `embed`) and where they are
@@ -310,7 +312,43 @@ def constrain_param(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     policies can refuse to keep it for the backward pass (it is gathered again there, the FSDP
     pattern; keeping it would hold every layer's full weights and undo ZeRO-3's saving). With
     storage equal to compute placement the pin would only add copies, so it is off.
+
+    `dtype`: the caller's compute dtype. A float32 master weight is cast on its shard, before
+    the gather (bfloat16: half the bytes on the wire); the result is the same as casting after.
+    The gradient keeps its float32 reduction: the cotangent is cast back before the partitioner
+    reduce-scatters it into the stored shard (`_gather_as`).
     """
     if not _PIN_PARAMS.get():
-        return x
-    return checkpoint_name(constrain(x, names), PARAM_COMPUTE)
+        return x if dtype is None else x.astype(dtype)
+    if dtype is None or jnp.dtype(dtype) == x.dtype:
+        return checkpoint_name(constrain(x, names), PARAM_COMPUTE)
+    return checkpoint_name(_gather_as(x, names, jnp.dtype(dtype)), PARAM_COMPUTE)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_as(x: jax.Array, names: tuple[str | None, ...], dtype: Any) -> jax.Array:
+    """constrain(x.astype(dtype), names), cast in the storage layout, whose cotangent goes back
+    in x's dtype before any reduction (plain autodiff would reduce-scatter it in `dtype`).
+
+    The cast is pinned to the storage layout (ZeRO-3's: `embed` over data, make_rules) first:
+    with only the compute layout pinned, the partitioner gathered the float32 weight and cast
+    after (seen in the HLO right after SPMD partitioning)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = nn.get_logical_axis_rules()
+    y = x.astype(dtype)
+    if not mesh.empty and rules:
+        storage = logical_to_spec(names, validate_rules(_replace(tuple(rules), embed=DATA), mesh),
+                                  where=f"parameter {names}")
+        y = jax.lax.with_sharding_constraint(y, drop_axes(storage, mesh.manual_axes))
+    return constrain(y, names)
+
+
+def _gather_as_fwd(x, names, dtype):
+    return _gather_as(x, names, dtype), jnp.zeros((), x.dtype)  # (the residual carries x's dtype)
+
+
+def _gather_as_bwd(names, dtype, like, ct):
+    return (ct.astype(like.dtype),)
+
+
+_gather_as.defvjp(_gather_as_fwd, _gather_as_bwd)

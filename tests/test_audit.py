@@ -7,6 +7,9 @@ the next layer's backward). No weight all-gathers unless ZeRO; ZeRO-1 all-gather
 parameters once, outside the layer loops; ZeRO-3 all-gathers each layer's weights inside the loop.
 """
 
+import dataclasses
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -132,3 +135,18 @@ def test_replica_group_formats_map_to_mesh_axes():
     assert got[("all-reduce", ("data",))] == {"ops": 1, "executions": 1, "bytes": 32}
     assert got[("all-gather", ("data",))]["bytes"] == 8
     assert got[("all-reduce", ("data", "tensor"))]["ops"] == 1
+
+
+def test_zero3_gathers_weights_in_the_compute_dtype(tmp_path):
+    """bfloat16 model under ZeRO-3: each weight is cast on its shard and all-gathered in bfloat16,
+    half the bytes of its float32 master (sharding.constrain_param). Read from the HLO right after
+    SPMD partitioning: XLA:CPU later promotes bfloat16 collectives to float32, so its compiled step
+    still moves float32 (what the cost model's `cpu` platform counts)."""
+    cfg = Config(mesh=MeshConfig(data=4, tensor=2), model=dataclasses.replace(MODEL, dtype="bfloat16"),
+                 parallel=ParallelConfig(zero=3, remat="full"), train=TrainConfig(global_batch=8, seq_len=32))
+    compile_step(cfg, {**FAST_COMPILE, "xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    (dump,) = tmp_path.glob("*jit_step*after_spmd-partitioning*.txt")
+    gathers = re.findall(r"= (\w+)\[[\d,]*\]\{[\d,]*\} all-gather\(", dump.read_text())
+    # per block (scanned: one op each) 4 kernels and 2 norm scales, again in the recomputation;
+    # outside, the embedding and logits tables and the final norm's scale. Norms stay float32.
+    assert sorted(gathers) == ["bf16"] * (2 * 4 + 2) + ["f32"] * (2 * 2 + 1), gathers
