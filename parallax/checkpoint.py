@@ -373,7 +373,7 @@ class Checkpoints:
         """Start an async save; returns once the arrays are copied off the devices, so the next
         step may donate `state`. Orbax first waits for (and raises errors of) the previous save."""
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(self._disk.to_disk(state)), meta=ocp.args.JsonSave(meta))
-        before = _thread_ids()
+        before = _thread_ids() if self.cfg.background_nice else set()
         self._manager.save(step, args=args, force=True)
         if self.cfg.background_nice:
             _lower_priority(_thread_ids() - before, self.cfg.background_nice)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -82,8 +81,13 @@ def make_rules(parallel: ParallelConfig | None = None) -> Rules:
     """
     parallel = parallel or ParallelConfig()
     if parallel.zero >= 3:
-        return _replace(DEFAULT_RULES, embed=DATA)
+        return _sharded_over_data(DEFAULT_RULES)
     return DEFAULT_RULES
+
+
+def _sharded_over_data(rules: Rules) -> Rules:
+    """ZeRO's storage placement: the parameters' `embed` dimension over `data`."""
+    return _replace(rules, embed=DATA)
 
 
 def compute_rules(parallel: ParallelConfig | None = None) -> Rules:
@@ -105,7 +109,7 @@ def optimizer_rules(parallel: ParallelConfig | None = None) -> Rules:
     """Rules for optimizer state: ZeRO-1 and ZeRO-3 shard it over data on the `embed` dimension."""
     parallel = parallel or ParallelConfig()
     if parallel.zero >= 1:
-        return _replace(DEFAULT_RULES, embed=DATA)
+        return _sharded_over_data(DEFAULT_RULES)
     return DEFAULT_RULES
 
 
@@ -315,8 +319,7 @@ def constrain_param(x: jax.Array, names: tuple[str | None, ...], dtype: Any = No
 
     `dtype`: the caller's compute dtype. A float32 master weight is cast on its shard, before
     the gather (bfloat16: half the bytes on the wire); the result is the same as casting after.
-    The gradient keeps its float32 reduction: the cotangent is cast back before the partitioner
-    reduce-scatters it into the stored shard (`_gather_as`).
+    The gradients are still reduced over data in float32 (`_gather_as`).
     """
     if not _PIN_PARAMS.get():
         return x if dtype is None else x.astype(dtype)
@@ -325,30 +328,17 @@ def constrain_param(x: jax.Array, names: tuple[str | None, ...], dtype: Any = No
     return checkpoint_name(_gather_as(x, names, jnp.dtype(dtype)), PARAM_COMPUTE)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _gather_as(x: jax.Array, names: tuple[str | None, ...], dtype: Any) -> jax.Array:
-    """constrain(x.astype(dtype), names), cast in the storage layout, whose cotangent goes back
-    in x's dtype before any reduction (plain autodiff would reduce-scatter it in `dtype`).
-
-    The cast is pinned to the storage layout (ZeRO-3's: `embed` over data, make_rules) first:
-    with only the compute layout pinned, the partitioner gathered the float32 weight and cast
-    after (seen in the HLO right after SPMD partitioning)."""
+    """constrain(x.astype(dtype), names) with the cast pinned to the storage layout first
+    (ZeRO's `embed` over data): with only the compute layout pinned, the partitioner gathered
+    the float32 weight and cast after (seen in the HLO right after SPMD partitioning). The
+    gradients' reductions over data stay float32 all the same: the same 6 float32 all-reduces
+    over data with and without a custom VJP casting the cotangent back first, so none is used."""
     mesh = jax.sharding.get_abstract_mesh()
     rules = nn.get_logical_axis_rules()
     y = x.astype(dtype)
     if not mesh.empty and rules:
-        storage = logical_to_spec(names, validate_rules(_replace(tuple(rules), embed=DATA), mesh),
+        storage = logical_to_spec(names, validate_rules(_sharded_over_data(tuple(rules)), mesh),
                                   where=f"parameter {names}")
         y = jax.lax.with_sharding_constraint(y, drop_axes(storage, mesh.manual_axes))
     return constrain(y, names)
-
-
-def _gather_as_fwd(x, names, dtype):
-    return _gather_as(x, names, dtype), jnp.zeros((), x.dtype)  # (the residual carries x's dtype)
-
-
-def _gather_as_bwd(names, dtype, like, ct):
-    return (ct.astype(like.dtype),)
-
-
-_gather_as.defvjp(_gather_as_fwd, _gather_as_bwd)

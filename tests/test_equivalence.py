@@ -115,3 +115,20 @@ def test_state_lives_in_its_shardings(sharded):
     layout, state = sharded["layout"], sharded["state"]
     for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(layout.state_shardings)):
         assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (leaf.sharding, want)
+
+
+def test_zero3_bf16_gathers_keep_loss_and_float32_gradients():
+    """bfloat16 model: ZeRO-3 casts each weight on its shard and gathers it in bfloat16
+    (sharding.constrain_param); cast-then-gather equals gather-then-cast, and the gradients are
+    reduced in float32. So loss and gradients equal ZeRO-0 on the same mesh (float32 gradients,
+    same tolerances: only the reduction order differs)."""
+    bf16 = dataclasses.replace(BASE, model=dataclasses.replace(BASE.model, dtype="bfloat16"))
+    got = {}
+    for zero in (0, 3):
+        cfg = dataclasses.replace(bf16, mesh=MeshConfig(data=4, tensor=2), parallel=ParallelConfig(zero=zero))
+        got[zero] = _run(cfg, steps=0)
+    np.testing.assert_allclose(got[3]["loss"], got[0]["loss"], rtol=LOSS_RTOL)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got[3]["grads"]), jax.tree.leaves(got[0]["grads"])):
+        assert g.dtype == np.float32, jax.tree_util.keystr(path)
+        err = np.abs(g - r).max()
+        assert err <= GRAD_ATOL + GRAD_RTOL * np.abs(r).max(), (jax.tree_util.keystr(path), err, np.abs(r).max())
