@@ -13,6 +13,13 @@ Restore reads into an abstract target whose leaves carry the NEW layout's shardi
 process reads only the shards its devices hold, straight into their final placement: no gather
 onto one host, no detour through the saved layout (orbax #648, flax #5110).
 
+A save snapshots the state into host memory (`pinned_host`, one copy of each unique shard: the
+replicas of a replicated array become distinct pieces) with one dispatch and returns; Orbax's
+own save (device-to-host copies, directory setup, writing, finalizing) then runs on a writer
+thread at `checkpoint.background_nice`. The training loop waits only for the dispatch, and the
+next step may donate the state: the snapshot was ordered before it. This is torchtitan's
+`async_with_pinned_mem` staging, for Orbax.
+
 Crash safety is Orbax's: a save is written into `<step>.orbax-checkpoint-tmp*` and renamed when
 complete, listing ignores unrenamed directories, and a kill -9 mid-save leaves only such a
 directory (removed when the next run opens the manager for writing). A finalized checkpoint that
@@ -22,16 +29,20 @@ one is restored instead.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import inspect
+import math
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -111,7 +122,7 @@ def _layer_major_sharding(s: NamedSharding) -> NamedSharding:
 
 
 class DiskForm:
-    """to_disk / from_disk between a layout's TrainState and its layer-major saved form, and the
+    """reshape_to_disk / from_disk between a layout's TrainState and its layer-major saved form, and the
     abstract saved form with shardings (the restore target). Identity when not pipelined."""
 
     def __init__(self, layout: Layout):
@@ -121,12 +132,11 @@ class DiskForm:
             lambda p, s: _layer_major_sharding(s) if self.pipelined and _is_stacked(p) else s,
             layout.state_shardings,
         )
-        shapes = jax.eval_shape(self._reshape_to_disk, layout.abstract_state)
+        shapes = jax.eval_shape(self.reshape_to_disk, layout.abstract_state)
         self.target = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shard_of
         )
         if self.pipelined:
-            self._to_disk = jax.jit(self._reshape_to_disk, out_shardings=shard_of)
             schedule = layout.schedule
             self._from_disk = jax.jit(
                 lambda st: jax.tree_util.tree_map_with_path(
@@ -134,17 +144,53 @@ class DiskForm:
                 out_shardings=layout.state_shardings,
             )
 
-    def _reshape_to_disk(self, state: TrainState) -> TrainState:
+    def reshape_to_disk(self, state: TrainState) -> TrainState:
         if not self.pipelined:
             return state
         units = self.units
         return jax.tree_util.tree_map_with_path(lambda p, x: to_layer_major(x, units) if _is_stacked(p) else x, state)
 
-    def to_disk(self, state: TrainState) -> TrainState:
-        return self._to_disk(state) if self.pipelined else state
-
     def from_disk(self, state: TrainState) -> TrainState:
         return self._from_disk(state) if self.pipelined else state
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spread(shape: tuple[int, ...], sharding: NamedSharding, memory_kind: str) -> NamedSharding:
+    """`sharding` with each mesh axis it leaves unused added to the first dimension that it still
+    divides, in `memory_kind`: a snapshot then holds each element once per process instead of
+    once per replica (ZeRO-1's replicated parameters, norms). Cutting a replicated array needs no
+    communication: each device keeps its piece of the copy it already has. What no dimension
+    divides stays replicated (scalars, odd-sized vectors: small)."""
+    mesh = sharding.mesh
+    spec = [_axes_of(e) for e in tuple(sharding.spec)] + [()] * (len(shape) - len(sharding.spec))
+    used = {a for e in spec for a in e}
+    for axis in mesh.axis_names:
+        if axis in used or mesh.shape[axis] == 1:
+            continue
+        for d, n in enumerate(shape):
+            if n % (math.prod(mesh.shape[a] for a in spec[d]) * mesh.shape[axis]) == 0:
+                spec[d], used = spec[d] + (axis,), used | {axis}
+                break
+    return NamedSharding(mesh, P(*(e[0] if len(e) == 1 else (e or None) for e in spec)), memory_kind=memory_kind)
+
+
+def _host_memory_kind() -> str:
+    """Pinned host memory where the backend has it (CPU, GPU and TPU in jax 0.10): the snapshot
+    takes no accelerator memory, and the copy into it is an asynchronous DMA."""
+    kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else jax.local_devices()[0].default_memory().kind
+
+
+def make_snapshot(disk: DiskForm) -> Any:
+    """TrainState -> its layer-major saved form, copied into host memory with `_spread`
+    shardings. One jitted dispatch; the copy is not aliased to the state (jnp.copy: jit would
+    otherwise forward an unchanged input), so the next step may donate the state."""
+    kind = _host_memory_kind()
+    shardings = jax.tree.map(lambda x: _spread(x.shape, x.sharding, kind), disk.target)
+    return jax.jit(lambda st: jax.tree.map(jnp.copy, disk.reshape_to_disk(st)), out_shardings=shardings)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,6 +330,9 @@ class Checkpoints:
         self.last_saved: int | None = None
         self._manager: ocp.CheckpointManager | None = None
         self._disk: DiskForm | None = None
+        self._snapshot: Any = None  # jitted: TrainState -> host copy of its saved form
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writing: concurrent.futures.Future | None = None  # Orbax's save of the last snapshot
 
     def _reader(self) -> ocp.CheckpointManager:
         # create=False and no tmp cleanup: reading never changes the workdir.
@@ -352,6 +401,13 @@ class Checkpoints:
             enable_async_checkpointing=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        self._snapshot = make_snapshot(self._disk)
+        # One writer: Orbax's saves run in order, and the threads they start inherit its priority.
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="parallax-checkpoint",
+            initializer=lambda: _lower_priority({threading.get_native_id()}, self.cfg.background_nice)
+            if self.cfg.background_nice else None,
+        )
         return moved
 
     def _move_aside(self, step: int) -> Path:
@@ -370,19 +426,40 @@ class Checkpoints:
         return dest
 
     def save(self, step: int, state: TrainState, meta: dict) -> Path:
-        """Start an async save; returns once the arrays are copied off the devices, so the next
-        step may donate `state`. Orbax first waits for (and raises errors of) the previous save."""
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(self._disk.to_disk(state)), meta=ocp.args.JsonSave(meta))
-        before = _thread_ids() if self.cfg.background_nice else set()
-        self._manager.save(step, args=args, force=True)
-        if self.cfg.background_nice:
-            _lower_priority(_thread_ids() - before, self.cfg.background_nice)
+        """Snapshot `state` into host memory and hand it to the writer; returns after the dispatch,
+        and the next step may donate `state`. The previous save is finished first (its errors are
+        raised here), so at most one snapshot is held."""
+        self.wait()
+        snapshot = self._snapshot(state)
+        self._writing = self._writer.submit(self._write, step, snapshot, meta)
         self.last_saved = step
         return self.path(step)
 
+    def _write(self, step: int, snapshot: TrainState, meta: dict) -> None:
+        """On the writer thread: Orbax's async save of the snapshot (it returns once its own
+        background threads have the data)."""
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(snapshot), meta=ocp.args.JsonSave(meta))
+        before = _thread_ids() if self.cfg.background_nice else set()
+        self._manager.save(step, args=args, force=True)
+        if self.cfg.background_nice:  # threads of pools the writer did not start (tensorstore's)
+            _lower_priority(_thread_ids() - before, self.cfg.background_nice)
+
     def wait(self) -> None:
-        """Block until the last save is finalized (renamed into place, older ones removed)."""
-        self._manager.wait_until_finished()
+        """Block until the last save is finalized (renamed into place, older ones removed). A save
+        that failed (on the writer thread or in Orbax's background) is raised here as one line
+        naming the step's directory; the checkpoints finalized before it are untouched."""
+        writing, self._writing = self._writing, None
+        try:
+            if writing is not None:
+                writing.result()
+            if self._manager is not None:
+                self._manager.wait_until_finished()
+        except Exception as e:
+            _raise_if_not_about_the_files(e)
+            raise CheckpointError(
+                f"saving checkpoint {str(self.path(self.last_saved))!r} failed ({_reason(e)}); "
+                "the checkpoints finalized before it are kept"
+            ) from e
 
     def __enter__(self) -> Checkpoints:
         return self
@@ -394,7 +471,8 @@ class Checkpoints:
         """Wait for the last save to be finalized (and old ones removed), then release."""
         if self._manager is not None:
             try:
-                self._manager.wait_until_finished()
+                self.wait()
             finally:
+                self._writer.shutdown(wait=True)
                 self._manager.close()
-                self._manager = None
+                self._manager, self._writer = None, None

@@ -159,14 +159,20 @@ def interrupted(tmp_path_factory):
         proc.send_signal(signal.SIGTERM)
         out["b_rc"] = proc.wait(120)
     out["b_log"], out["b_last"], out["b_steps"] = (root / "b.log").read_text(), _last_step(wd), Checkpoints(wd).steps()
-    # C. Kill right after the first save past the resume point (the save is in flight).
+    # C. Kill during the first save past the resume point, once Orbax's temporary directory
+    # exists (the loop is told "saving" when the snapshot is taken; the writer thread starts
+    # Orbax's save just after).
     proc = _spawn(wd, cache, subprocess.PIPE)
     for line in proc.stdout:
         if line.startswith("resuming from checkpoint step"):
             out["c_resumed"] = int(line.split()[4])
         if line.startswith("checkpoint: saving step") and "c_resumed" in out:
+            k = int(line.split()[3])
+            deadline = time.monotonic() + 30
+            while not list((wd / "checkpoints").glob(f"{k}.orbax-checkpoint-tmp*")) and time.monotonic() < deadline:
+                time.sleep(0.0005)
             proc.send_signal(signal.SIGKILL)
-            out["c_killed_saving"] = int(line.split()[3])
+            out["c_killed_saving"] = k
             break
     out["c_rc"] = proc.wait(60)
     out["c_tmp"] = sorted(p.name for p in (wd / "checkpoints").glob("*orbax-checkpoint-tmp*"))
@@ -333,12 +339,15 @@ def _batch(mesh, step: int):
 def _layer_major(params, layout) -> list[np.ndarray]:
     if layout.schedule is not None:
         params = {**params, "layers": to_layer_major(params["layers"], layout.schedule.units)}
-    return [np.asarray(x) for x in jax.tree.leaves(params)]
+    return [np.array(x) for x in jax.tree.leaves(params)]  # copies: a view of a CPU buffer blocks its donation
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """Two steps on data=2 x tensor=2 x pipe=2 (ZeRO-1, GPipe), a save, then the third step."""
+    """Two steps on data=2 x tensor=2 x pipe=2 (ZeRO-1, GPipe), a save, then the third step.
+
+    The third step runs while the save is in flight and donates the state it was given: the
+    restores below, which must equal `saved` exactly, show that the snapshot was taken first."""
     wd = tmp_path_factory.mktemp("reshard")
     cfg = _reshard_config(*SOURCE)
     mesh = make_mesh(cfg.mesh)
@@ -350,7 +359,9 @@ def source(tmp_path_factory):
     with Checkpoints(wd, cfg.checkpoint) as ckpt:
         ckpt.open(layout)
         ckpt.save(2, state, make_meta(cfg, 2, mesh))
-    state, metrics = step(state, _batch(mesh, 2))
+        donated = state
+        state, metrics = step(state, _batch(mesh, 2))
+        assert all(x.is_deleted() for x in jax.tree.leaves(donated.params))  # the step did donate
     return {"wd": wd, "saved": saved, "loss": float(metrics["loss"]), "params3": _layer_major(state.params, layout)}
 
 
@@ -400,7 +411,7 @@ def test_guard_leaves_the_state_unchanged(source):
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread priorities are read through /proc (Linux)")
 @pytest.mark.parametrize("nice", [19, 0])
 def test_a_save_runs_its_background_threads_at_checkpoint_background_nice(tmp_path, monkeypatch, nice):
-    """The threads a save starts (Orbax's writers, tensorstore's pool) run at
+    """The writer thread and the threads a save starts (Orbax's, tensorstore's pool) run at
     checkpoint.background_nice, so that the write takes idle host cycles rather than the step's."""
     import parallax.checkpoint as checkpoint
 
@@ -424,9 +435,10 @@ def test_a_save_runs_its_background_threads_at_checkpoint_background_nice(tmp_pa
     if nice == 0:
         assert not lowered  # left at the process's priority
         return
-    (seen,) = lowered
+    seen = {tid: n for call in lowered for tid, n in call.items()}
     alive = {tid: n for tid, n in seen.items() if n is not None}
-    assert alive and set(alive.values()) == {nice}, seen  # the save's threads, all lowered
+    assert alive and set(alive.values()) == {nice}, seen  # the writer and the save's threads, all lowered
+    assert threading.get_native_id() not in seen
     assert _nice_of(threading.get_native_id()) == 0  # never the training thread itself
 
 
@@ -435,3 +447,56 @@ def _nice_of(tid: int) -> int | None:
         return os.getpriority(os.PRIO_PROCESS, tid)
     except OSError:  # the thread has already exited
         return None
+
+
+def test_a_snapshot_is_in_host_memory_and_holds_each_element_once():
+    """ZeRO-1 on data=4 x tensor=2 replicates the parameters over data: on the devices they take
+    4x their size. The snapshot a save takes is in pinned host memory and holds every element
+    once (each replica keeps a different piece), and its values are the state's."""
+    from parallax.checkpoint import DiskForm, make_snapshot
+
+    cfg = _reshard_config(MeshConfig(data=4, tensor=2), ParallelConfig(zero=1))
+    layout = make_layout(cfg, make_mesh(cfg.mesh))
+    state = init_state(cfg, layout)
+    snapshot = make_snapshot(DiskForm(layout))(state)
+
+    def held(tree) -> int:  # bytes on all devices (or host memories) together
+        return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards)
+
+    logical = sum(x.nbytes for x in jax.tree.leaves(state))
+    scalars = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim == 0)  # step and optimizer counts
+    assert held(state.params) >= 3.5 * sum(x.nbytes for x in jax.tree.leaves(state.params))
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(snapshot)} == {"pinned_host"}
+    # what no dimension divides stays replicated: here only the scalars, on all 8 devices
+    assert held(snapshot) == logical + 7 * scalars, (held(snapshot), logical, scalars)
+    for a, b in zip(jax.tree.leaves(snapshot), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_error_in_the_writer_is_raised_by_the_next_wait(tmp_path, monkeypatch):
+    """Orbax's save runs on the writer thread: its failure (a full disk, say) must not vanish
+    there. `save` returns; the next `wait` (or save, or close) raises it as one line naming the
+    step's directory and the cause (exit 2 through the CLI, as every CheckpointError)."""
+    from parallax.checkpoint import CheckpointError
+
+    cfg = _reshard_config(MeshConfig(data=1), ParallelConfig())
+    mesh = make_mesh(cfg.mesh, available_devices(1))
+    layout = make_layout(cfg, mesh)
+    state = init_state(cfg, layout)
+    ckpt = Checkpoints(tmp_path, cfg.checkpoint)
+    ckpt.open(layout)
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt._manager, "save", fail)
+    ckpt.save(1, state, make_meta(cfg, 1, mesh))
+    with pytest.raises(CheckpointError) as failed:
+        ckpt.wait()
+    assert str(failed.value) == (f"saving checkpoint {str(tmp_path.absolute() / 'checkpoints' / '1')!r} failed "
+                                 "(OSError: [Errno 28] No space left on device); "
+                                 "the checkpoints finalized before it are kept")
+    monkeypatch.undo()
+    ckpt.save(2, state, make_meta(cfg, 2, mesh))  # the writer is still usable
+    ckpt.close()
+    assert Checkpoints(tmp_path, cfg.checkpoint).steps() == [2]
