@@ -250,6 +250,30 @@ def test_a_damaged_checkpoint_is_one_line_on_the_stderr_of_a_real_run(reference,
     assert err[0].startswith("parallax: warning: checkpoint step") and "is damaged or partial" in err[0]
 
 
+def test_a_failed_save_is_one_line_exit_2_and_keeps_the_earlier_checkpoints(tmp_path, capsys, monkeypatch):
+    """A full disk at the second save (step 2*EVERY), which runs on the writer thread: the run
+    stops at its next save with one line naming that step's directory, exit 2, and the first
+    checkpoint stays restorable."""
+    import orbax.checkpoint as ocp
+
+    real = ocp.CheckpointManager.save
+
+    def save(self, step, *args, **kwargs):
+        if step > EVERY:
+            raise OSError(28, "No space left on device")
+        return real(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    wd = tmp_path / "run"
+    assert main(_argv(wd, "--set", f"train.steps={3 * EVERY}")) == 2
+    failed = wd.absolute() / "checkpoints" / str(2 * EVERY)
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"parallax: error: saving checkpoint {str(failed)!r} failed (OSError: [Errno 28] No space left on device); "
+        "the checkpoints finalized before it are kept"]
+    assert Checkpoints(wd).steps() == [EVERY]
+
+
+
 @pytest.mark.parametrize("override, needles", [
     ("model.d_model=64", ["model.d_model=64", "model.d_model=32"]),
     ("model.n_layers=2", ["model.n_layers=2", "model.n_layers=1"]),
