@@ -15,8 +15,8 @@ onto one host, no detour through the saved layout (orbax #648, flax #5110).
 
 A save snapshots the state into host memory (`pinned_host`, one copy of each unique shard: the
 replicas of a replicated array become distinct pieces) with one dispatch and returns; Orbax's
-own save (device-to-host copies, directory setup, writing, finalizing) then runs on a writer
-thread at `checkpoint.background_nice`. The training loop waits only for the dispatch, and the
+own save (its host copies, directory setup, writing, finalizing) then runs on a writer thread
+at `checkpoint.background_nice`. The training loop waits only for the dispatch, and the
 next step may donate the state: the snapshot was ordered before it. This is torchtitan's
 `async_with_pinned_mem` staging, for Orbax.
 
@@ -178,8 +178,9 @@ def _spread(shape: tuple[int, ...], sharding: NamedSharding, memory_kind: str) -
 
 
 def _host_memory_kind() -> str:
-    """Pinned host memory where the backend has it (CPU, GPU and TPU in jax 0.10): the snapshot
-    takes no accelerator memory, and the copy into it is an asynchronous DMA."""
+    """Pinned host memory where the backend offers it (jaxlib 0.10.2's CPU backend does; JAX
+    documents it for accelerators, unverified here): the snapshot then takes no accelerator
+    memory. Elsewhere the default memory kind: the snapshot costs that much device memory."""
     kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
     return "pinned_host" if "pinned_host" in kinds else jax.local_devices()[0].default_memory().kind
 
