@@ -273,7 +273,6 @@ def test_a_failed_save_is_one_line_exit_2_and_keeps_the_earlier_checkpoints(tmp_
     assert Checkpoints(wd).steps() == [EVERY]
 
 
-
 @pytest.mark.parametrize("override, needles", [
     ("model.d_model=64", ["model.d_model=64", "model.d_model=32"]),
     ("model.n_layers=2", ["model.n_layers=2", "model.n_layers=1"]),
