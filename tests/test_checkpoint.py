@@ -481,7 +481,7 @@ def test_a_snapshot_is_in_host_memory_and_holds_each_element_once():
     cfg = _reshard_config(MeshConfig(data=4, tensor=2), ParallelConfig(zero=1))
     layout = make_layout(cfg, make_mesh(cfg.mesh))
     state = init_state(cfg, layout)
-    snapshot = make_snapshot(DiskForm(layout))(state)
+    snapshot = make_snapshot(layout, DiskForm(layout))(state)
 
     def held(tree) -> int:  # bytes on all devices (or host memories) together
         return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards)
@@ -498,8 +498,11 @@ def test_a_snapshot_is_in_host_memory_and_holds_each_element_once():
 
 def test_an_error_in_the_writer_is_raised_by_the_next_wait(tmp_path, monkeypatch):
     """Orbax's save runs on the writer thread: its failure (a full disk, say) must not vanish
-    there. `save` returns; the next `wait` (or save, or close) raises it as one line naming the
-    step's directory and the cause (exit 2 through the CLI, as every CheckpointError)."""
+    there. `save` returns (having compiled nothing: `open` did); the next `wait` (or save, or
+    close) raises it as one line naming the step's directory and the cause (exit 2 through the
+    CLI, as every CheckpointError)."""
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT  # "/jax/core/compile/backend_compile_duration"
+
     from parallax.checkpoint import CheckpointError
 
     cfg = _reshard_config(MeshConfig(data=1), ParallelConfig())
@@ -513,7 +516,18 @@ def test_an_error_in_the_writer_is_raised_by_the_next_wait(tmp_path, monkeypatch
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ckpt._manager, "save", fail)
-    ckpt.save(1, state, make_meta(cfg, 1, mesh))
+    compiles = []
+
+    def listener(event: str, secs: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        ckpt.save(1, state, make_meta(cfg, 1, mesh))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not compiles  # the snapshot was compiled by `open`, not inside the first save
     with pytest.raises(CheckpointError) as failed:
         ckpt.wait()
     assert str(failed.value) == (f"saving checkpoint {str(tmp_path.absolute() / 'checkpoints' / '1')!r} failed "
