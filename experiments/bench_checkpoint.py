@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         for tid in step_threads:
             os.sched_setaffinity(tid, cores[:-1])
     save()
-    ckpt.wait()  # the first save compiles the snapshot and starts the writer's and Orbax's threads
+    ckpt.wait()  # the first save starts the writer's, Orbax's and tensorstore's threads
     if args.spare_core:
         save_threads = _threads() - step_threads
         for tid in save_threads:
