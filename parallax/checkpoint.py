@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from parallax.config import CheckpointConfig, Config, UserError, flatten
 from parallax.mesh import describe
 from parallax.pipeline import to_layer_major, to_stages
+from parallax.sharding import entry_axes
 from parallax.train_state import Layout, TrainState
 
 FORMAT = 1
@@ -117,7 +118,7 @@ def _layer_major_sharding(s: NamedSharding) -> NamedSharding:
     (in practice `pipe`). With R = 1 the reshape moves no data; with R > 1 XLA moves chunks
     between stages (layer v*Lc.. lives on stage v mod P, but on disk block s holds layers s*R*Lc..)."""
     spec = tuple(s.spec) + (None,) * max(0, 3 - len(s.spec))
-    lead = tuple(a for e in spec[:3] for a in ((e,) if isinstance(e, str) else (e or ())))
+    lead = tuple(a for e in spec[:3] for a in entry_axes(e))
     return NamedSharding(s.mesh, P(lead or None, *spec[3:]))
 
 
@@ -154,10 +155,6 @@ class DiskForm:
         return self._from_disk(state) if self.pipelined else state
 
 
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _spread(shape: tuple[int, ...], sharding: NamedSharding, memory_kind: str) -> NamedSharding:
     """`sharding` with each mesh axis it leaves unused added to the first dimension that it still
     divides, in `memory_kind`: a snapshot then holds each element once per process instead of
@@ -165,7 +162,7 @@ def _spread(shape: tuple[int, ...], sharding: NamedSharding, memory_kind: str) -
     communication: each device keeps its piece of the copy it already has. What no dimension
     divides stays replicated (scalars, odd-sized vectors: small)."""
     mesh = sharding.mesh
-    spec = [_axes_of(e) for e in tuple(sharding.spec)] + [()] * (len(shape) - len(sharding.spec))
+    spec = [entry_axes(e) for e in tuple(sharding.spec)] + [()] * (len(shape) - len(sharding.spec))
     used = {a for e in spec for a in e}
     for axis in mesh.axis_names:
         if axis in used or mesh.shape[axis] == 1:

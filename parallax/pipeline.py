@@ -33,7 +33,7 @@ from parallax.config import ParallelConfig
 from parallax.fp8 import FP8_COLLECTION
 from parallax.mesh import DATA, PIPE
 from parallax.model import Transformer, moe_stat_shapes, remat_policy, stack_unit
-from parallax.sharding import BATCH_AXES, keep_axes
+from parallax.sharding import BATCH_AXES, entry_axes, keep_axes
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
 
@@ -254,7 +254,7 @@ def run_pipeline(
         # ZeRO-3 stores weights sharded over `data`: gather each once per step, not per tick.
         # (Expert weights stay sharded over `expert`: each device runs its own experts.)
         for dim, entry in enumerate(spec):
-            axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a == DATA)
+            axes = tuple(a for a in entry_axes(entry) if a == DATA)
             if axes:
                 c = jax.lax.all_gather(c, axes, axis=dim, tiled=True)
         return c[:, 0]  # [R, 1, Lc, ...] -> [R, Lc, ...]

@@ -113,7 +113,8 @@ def optimizer_rules(parallel: ParallelConfig | None = None) -> Rules:
     return DEFAULT_RULES
 
 
-def _as_tuple(axes: Any) -> tuple[str, ...]:
+def entry_axes(axes: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (or rules-table value): None, a name, or a tuple."""
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -131,7 +132,7 @@ def validate_rules(rules: Iterable[tuple[str, Any]], mesh: jax.sharding.Mesh | N
             isinstance(axes, (tuple, list)) and all(isinstance(a, str) for a in axes)
         )):
             raise ShardingError(f"rule for {name!r}: mesh axes must be None, a name or a tuple of names, got {axes!r}")
-        axes = _as_tuple(axes)
+        axes = entry_axes(axes)
         if len(set(axes)) != len(axes):
             raise ShardingError(f"rule for {name!r} names a mesh axis twice: {axes}")
         if name in table:
@@ -231,11 +232,11 @@ def check(abstract_variables: Any, rules: Iterable[tuple[str, Any]], mesh: jax.s
         spec = logical_to_spec(logical, table, where=name)
         if mesh is not None:
             for dim, (size, axes) in enumerate(zip(shape, spec)):
-                n = math.prod(mesh.shape[a] for a in _as_tuple(axes))
+                n = math.prod(mesh.shape[a] for a in entry_axes(axes))
                 if size % n:
                     raise ShardingError(
                         f"{name}: dimension {dim} ({logical[dim]!r}) of size {size} is not divisible "
-                        f"by mesh axes {_as_tuple(axes)} of size {n}"
+                        f"by mesh axes {entry_axes(axes)} of size {n}"
                     )
         rows.append(ParamLayout(name, shape, tuple(logical), spec))
     return rows
@@ -272,7 +273,7 @@ def drop_axes(spec: P, axes: Iterable[str]) -> P:
     axes = set(axes)
     out = []
     for entry in spec:
-        kept = tuple(a for a in _as_tuple(entry) if a not in axes)
+        kept = tuple(a for a in entry_axes(entry) if a not in axes)
         out.append(kept[0] if len(kept) == 1 else (kept or None))
     return P(*out)
 
@@ -280,7 +281,7 @@ def drop_axes(spec: P, axes: Iterable[str]) -> P:
 def keep_axes(spec: P, axes: Iterable[str]) -> P:
     """`spec` restricted to the given mesh axes (the in_specs of a partly manual shard_map)."""
     axes = set(axes)
-    return drop_axes(spec, {a for entry in spec for a in _as_tuple(entry)} - axes)
+    return drop_axes(spec, {a for entry in spec for a in entry_axes(entry)} - axes)
 
 
 _PIN_PARAMS = contextvars.ContextVar("parallax_pin_params", default=False)
