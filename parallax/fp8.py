@@ -288,6 +288,20 @@ def fp8_variables(fp8: Any) -> dict[str, Any]:
     return {FP8_COLLECTION: jax.tree.map(lambda x: lax.convert_element_type(x, META_DTYPE), fp8)}
 
 
+def scales_each_use(factory: Any) -> bool:
+    """Whether a dot made by `factory` quantises each call by that call's own amax (`current`):
+    then how a batch is cut into calls changes the numbers, so a caller that may cut it
+    differently per layout (the pipeline's half-microbatches) must not."""
+    keywords = getattr(factory, "keywords", {})
+    return getattr(factory, "func", None) is Fp8DotGeneral and keywords.get("recipe") == "current"
+
+
+def padding_value(name: str) -> float:
+    """The value of state leaf `name` in a slot that holds no real dot (pipeline.to_stages pads an
+    uneven stack with such slots): scale 1 (a zero would divide by zero), amaxes and stats 0."""
+    return 1.0 if name.endswith("_scale") else 0.0
+
+
 def overwrite(old: Any, new: Any) -> Any:
     """The next FP8 state: the step's 'gradient' of the state is its new value (float32).
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from parallax.config import ParallelConfig
-from parallax.fp8 import FP8_COLLECTION
+from parallax.fp8 import FP8_COLLECTION, padding_value, scales_each_use
 from parallax.mesh import DATA, PIPE
 from parallax.model import Transformer, moe_stat_shapes, remat_policy, stack_unit
 from parallax.sharding import BATCH_AXES, entry_axes, keep_axes
@@ -118,19 +118,27 @@ def is_pipelined(parallel: ParallelConfig, stages: int) -> bool:
 # Layer-major <-> stage layout (a reshape of the leading axis)
 
 
-def to_stages(layers: Any, schedule: Schedule, pad: str = "constant") -> Any:
+def to_stages(layers: Any, schedule: Schedule, fill: Callable[[str], float] | None = None) -> Any:
     """[L, ...] -> [R, P, Lc, ...] for every leaf of the scanned stack, first padded with
-    `schedule.padding` slots at the end when R*P does not divide L (uneven stages). Parameters and
-    optimizer moments pad with zeros (the slots are masked to identity, so they stay zero); the
-    FP8 state pads with `edge` copies, so that no padded slot divides by a zero scale."""
+    `schedule.padding` slots at the end when R*P does not divide L (uneven stages).
+
+    Parameters and optimizer moments pad with zeros (the slots are masked to identity, so they
+    stay zero). The FP8 state pads with `fill(leaf name)`, fp8.padding_value: a scale of 1, so no
+    padded slot divides by zero, and empty histories. The pad is a concatenation with constants,
+    so its transpose is a slice: the padded slots' new state (their "cotangent") is dropped and
+    never reaches a real layer. (An `edge` pad copied layer L-1's state into the slots; its
+    transpose sums, which the fm32 type refuses, and in float32 folded the slots' amaxes into
+    layer L-1's history.)"""
     r, p, extra = schedule.repeats, schedule.stages, schedule.padding
 
-    def reshape(x: jax.Array) -> jax.Array:
+    def reshape(path: Any, x: jax.Array) -> jax.Array:
         if extra:
-            x = jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1), mode=pad)
+            value = fill(getattr(path[-1], "key", str(path[-1]))) if fill is not None else 0
+            slots = jax.lax.full((extra, *x.shape[1:]), value, x.dtype)  # constants: no cotangent
+            x = jax.lax.concatenate([x, slots], 0)
         return x.reshape(r, p, x.shape[0] // (r * p), *x.shape[1:])
 
-    return jax.tree.map(reshape, layers)
+    return jax.tree_util.tree_map_with_path(reshape, layers)
 
 
 def to_layer_major(layers: Any, units: int = 0) -> Any:
@@ -215,6 +223,27 @@ def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+@jax.custom_vjp
+def _unless_idle(state: jax.Array, busy: jax.Array) -> jax.Array:
+    """FP8 state leaf `state` itself; but a use on an idle tick (`busy` False) sends no new state
+    back: its cotangent becomes fm32's zero (-inf), the identity of the max that combines uses.
+    (The forward pass is untouched; `stop_gradient` would not do: it is the identity on fm32, an
+    extended dtype.)"""
+    return state
+
+
+def _unless_idle_fwd(state: jax.Array, busy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return state, busy
+
+
+def _unless_idle_bwd(busy: jax.Array, ct: jax.Array) -> tuple[jax.Array, None]:
+    nothing = jax.lax.full(ct.shape, -jnp.inf, ct.dtype)
+    return jax.lax.select(jnp.broadcast_to(busy, ct.shape), ct, nothing), None
+
+
+_unless_idle.defvjp(_unless_idle_fwd, _unless_idle_bwd)
+
+
 def _merge_halves(stats: list[dict]) -> dict:
     """Stats of the half-microbatches of one tick: counts add, per-token means average."""
     if len(stats) == 1:
@@ -247,6 +276,7 @@ def run_pipeline(
     # this way keeps each data shard's rows on the same shard (no resharding of the batch).
     micro = x.reshape(b // m, m, t, d).swapaxes(0, 1)
     stage = _stage_fn(model)
+    split = not scales_each_use(model.dot_general)
     ring = [(i, (i + 1) % p) for i in range(p)]
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
 
@@ -286,12 +316,21 @@ def run_pipeline(
             # Two half-microbatches per tick, each sent as soon as it is computed: the first
             # half's send depends on nothing the second half computes, so on accelerators the
             # collective-permute runs behind the second half's compute (async start/done pair).
-            halves = jnp.split(inp, 2) if inp.shape[0] % 2 == 0 else [inp]
+            # Not under FP8's `current` recipe: each call scales by its own amax, and a half is
+            # half of this device's rows, a set that depends on the data sharding. A whole
+            # microbatch (rows i, i+M, ...) is the same set on every layout, so the run's numbers
+            # depend on M only, as on one device with M microbatches.
+            halves = jnp.split(inp, 2) if inp.shape[0] % 2 == 0 and split else [inp]
+            # A bubble tick computes on zeros and its FP8 dots still return a new state: under the
+            # current recipe a zero amax keeps the previous scale (1 at first), which would win
+            # the max over uses against the real, smaller scales. So a bubble tick's new state is
+            # replaced by the max's identity: a bubble never writes a scale or an amax.
+            tick_fp8 = jax.tree.map(lambda c: _unless_idle(c, busy), fp8_chunks)
             if r == 1:  # a loop-invariant chunk: its residual is not stacked per tick
-                chunk, fp8_chunk = jax.tree.map(lambda c: c[0], (chunks, fp8_chunks))
+                chunk, fp8_chunk = jax.tree.map(lambda c: c[0], (chunks, tick_fp8))
                 results = [stage(chunk, h, fp8_chunk if fp8 is not None else None, mask) for h in halves]
             else:
-                results = [stage(chunks, h, fp8_chunks if fp8 is not None else None, mask, rep) for h in halves]
+                results = [stage(chunks, h, tick_fp8 if fp8 is not None else None, mask, rep) for h in halves]
             outs = [o for o, _ in results]
             stats = _merge_halves([st for _, st in results])
             # Stats of chunk `rep` on this microbatch; a bubble tick adds nothing.
@@ -337,7 +376,7 @@ def make_pipelined_apply(
         if fp8.get("logits") is not None or fp8.get("embed") is not None:
             outer_vars[FP8_COLLECTION] = {k: v for k, v in fp8.items() if k != "layers"}
         x = model.apply(outer_vars, tokens, method=Transformer.embed_tokens)
-        stack_fp8 = to_stages(fp8["layers"], schedule, pad="edge") if "layers" in fp8 else None
+        stack_fp8 = to_stages(fp8["layers"], schedule, fill=padding_value) if "layers" in fp8 else None
         x, stats = run_pipeline(model, schedule, mesh, params["layers"], layer_specs, x, stack_fp8)
         return model.apply(outer_vars, x, method=Transformer.head), stats
 

@@ -121,12 +121,11 @@ class PublishedRun:
 
 
 PUBLISHED = [
-    PublishedRun("Megatron-LM 1T, classic 3D layout", "dense-1t", 16384, "a100-80gb",
-                 {"data": 128, "tensor": 8, "pipe": 16}, (0.39, 0.39),
-                 "Narayanan et al. 2021: 163 TFLOP/s/GPU = 52% of A100 peak counting the recomputed forward "
-                 "(their FLOP formula); 52% x 3/4 = 39% in model FLOPs. Run on 3072 GPUs (TP8 PP64 DP6); "
-                 "TP8/PP16/DP128 on 16,384 GPUs is the issue's classic 3D layout for it; 2021, before "
-                 "sequence parallelism", sequence_parallel=False),
+    PublishedRun("Megatron-LM 1T", "dense-1t", 3072, "a100-80gb",
+                 {"data": 6, "tensor": 8, "pipe": 64}, (0.39, 0.39),
+                 "Narayanan et al. 2021, table 1: 3072 A100s, TP8 PP64 DP6, batch 3072 x 2048, 163 TFLOP/s/GPU "
+                 "= 52% of peak counting the recomputed forward (their FLOP formula); 52% x 3/4 = 39% in "
+                 "model FLOPs; 2021, before sequence parallelism", global_batch=3072, sequence_parallel=False),
     PublishedRun("Llama 3 405B", "llama3-405b", 16384, "h100", {"data": 128, "tensor": 8, "pipe": 16}, (0.38, 0.43),
                  "Dubey et al. 2024, table 4: 38-43% BF16 MFU on 8K-16K H100s"),
     PublishedRun("PaLM 540B", "palm-540b", 6144, "tpu-v4", {"data": 512, "tensor": 12, "pipe": 1}, (0.462, 0.462),

@@ -3,11 +3,11 @@
 For each layout the train step is compiled once ahead of time (audit.compile_step, shared with
 tests/test_audit.py) and `audit.audit` sets the compiled HLO beside the model:
 - every collective group is explained by the model (or is a loss/norm scalar under 4 KiB);
-- predicted collective bytes per step per mesh axis (all kinds and groups serving it) within 5%
+- predicted collective bytes per step per mesh axis (all kinds and groups serving it) within 0.5%
   of the compiled;
 - predicted peak memory within 15% of XLA's memory analysis (arguments + unaliased outputs +
   temporaries);
-- the executed matmul FLOPs the model predicts within 10% of those counted in the HLO.
+- the executed matmul FLOPs the model predicts within 6% of those counted in the HLO.
 Dense layouts; MoE layouts (the expert axis) are in tests/test_cost_moe.py. The XLA:CPU memory
 constants were calibrated on a different model (experiments/calibrate_cost.py).
 """
@@ -45,7 +45,10 @@ LAYOUTS = {
     "1f1b_d2_p4_zero1": (MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=8, schedule="1f1b", zero=1),
                          MODEL, TRAIN),
 }
-COLLECTIVE_TOL, MEMORY_TOL, FLOPS_TOL = 0.05, 0.15, 0.10
+# Tested bounds (BUILD_NOTES.md states the measured worst cases beside them, 2026-12-01: bytes
+# -0.20% (tensor, circular), memory -14.1%, FLOPs +5.0%): a tolerance far above what is measured
+# would let a real modelling error through unnoticed.
+COLLECTIVE_TOL, MEMORY_TOL, FLOPS_TOL = 0.005, 0.15, 0.06
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

@@ -22,7 +22,7 @@ import pytest
 from flax.linen import fp8_ops
 from jax.sharding import PartitionSpec as P
 
-from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig, validate
+from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, validate
 from parallax.fp8 import FP8_COLLECTION, Fp8DotGeneral, combine, fp8_metrics, fp8_variables, overwrite
 from parallax.mesh import available_devices, make_mesh
 from parallax.train import main
@@ -356,38 +356,7 @@ def test_fp8_state_after_steps_is_the_same_on_one_device_and_data2_tensor2(runs)
         assert sharding.spec == P() and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
 
 
-# FP8 experts inside pipeline stages: every block MoE, 4 units, so that GPipe (2 stages) and the
-# circular schedule (2 stages x 2 repeats) split the same model.
-PIPE_MODEL = dataclasses.replace(TINY.model, n_layers=4, moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.0))
-# (tests/test_moe.py runs MoE in the circular schedule with tensor 2; FP8 + MoE + GPipe here.)
-PIPELINED = {
-    "gpipe_data2_pipe2_expert2": (MeshConfig(data=2, pipe=2, expert=2), ParallelConfig(microbatches=2)),
-}
-
-
-@pytest.fixture(scope="module")
-def pipe_reference():
-    return _train(dataclasses.replace(TINY, model=PIPE_MODEL, mesh=MeshConfig(data=1)), available_devices(1), steps=1)
-
-
-@pytest.mark.parametrize("name", list(PIPELINED))
-def test_fp8_state_inside_pipeline_stages_equals_one_device(pipe_reference, name):
-    """The pipeline carries the FP8 state through its stages: after one step every layer's amax
-    history and scale equal the unpipelined run's (the amax pmax-ed over the stage's batch shards,
-    max-combined over ticks and microbatches, never summed)."""
-    mesh, parallel = PIPELINED[name]
-    got = _train(dataclasses.replace(TINY, model=PIPE_MODEL, mesh=mesh, parallel=parallel), None, steps=1)
-    np.testing.assert_allclose(float(got["metrics"]["loss"]), float(pipe_reference["metrics"]["loss"]), rtol=1e-6)
-    a, b = pipe_reference["state"].fp8, got["state"].fp8
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-        name = jax.tree_util.keystr(path)
-        if "stats" in name:  # fractions at the FP8 limits: the pipeline reports the largest of
-            # its microbatches' fractions (uses combine by max), the plain step the whole batch's
-            np.testing.assert_allclose(x, y, atol=0.05, err_msg=name)
-        else:
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7, err_msg=name)
-    assert float(jnp.max(b["layers"]["moe"]["Fp8DotGeneral_0"]["input_amax_history"][:, 0])) > 0  # experts are FP8
+# FP8 inside pipeline stages (GPipe, circular, uneven stages, tensor and expert): tests/test_fp8_pipeline.py
 
 
 def test_train_step_updates_the_fp8_state_and_reports_telemetry(runs):
@@ -456,22 +425,36 @@ def test_cli_bad_fp8_setting_is_one_line_exit_2(capsys, tmp_path):
 
 
 def test_cli_fp8_run_writes_telemetry_and_resumes_the_fp8_state(capsys, tmp_path):
+    """A run stopped after step 2 (`--stop-at`) and resumed from its checkpoint continues as an
+    uninterrupted one: step 3's loss, gradient norm and every FP8 telemetry figure (scales from
+    the restored amax history) are bit-identical."""
     sets = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
-            "train.seq_len=16", "train.global_batch=8", "train.eval_batches=1", "fp8.enabled=True",
-            "fp8.amax_history_length=4"]
-    args = ["train", str(REPO / "experiments" / "quickstart.py"), "--workdir", str(tmp_path),
-            *[a for s in sets for a in ("--set", s)]]
-    assert main([*args, "--set", "train.steps=1"]) == 0
+            "train.seq_len=16", "train.global_batch=8", "train.eval_batches=1", "train.eval_every=0", "train.log_every=1",
+            "fp8.enabled=True", "fp8.amax_history_length=4", "checkpoint.every=1"]
+
+    def run(workdir, *stop):
+        args = ["train", str(REPO / "experiments" / "quickstart.py"), "--workdir", str(workdir),
+                *[a for s in sets for a in ("--set", s)], "--set", "train.steps=3", *stop]
+        assert main(args) == 0
+        return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+    whole = run(tmp_path / "whole")
     assert "emulated on CPU" in capsys.readouterr().out
-    assert main([*args, "--set", "train.steps=2"]) == 0  # resumes from the step-1 checkpoint
-    first, second = (json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    run(tmp_path / "resumed", "--stop-at", "2")  # the same run (schedule of 3 steps), stopped
+    resumed = run(tmp_path / "resumed")  # restores the step-2 checkpoint, FP8 state included
+    assert [r["step"] for r in resumed] == [1, 2, 3], (resumed, whole)
+    fields = [k for k in whole[-1] if k == "loss" or k == "grad_norm" or k.startswith("fp8_")]
+    assert len(fields) == 2 + 12, fields
+    for k in fields:
+        assert resumed[-1][k] == whole[-1][k], (k, resumed[-1][k], whole[-1][k])
+    second = whole[1]
     assert "mfu_fp8" in second and second["mfu_fp8"] is None and second["mfu"] is None  # CPU: no peak
     for kind in ("inputs", "weights", "gradients"):
         assert 0 <= second[f"fp8_{kind}_saturated"] <= 1 and 0 <= second[f"fp8_{kind}_flushed"] <= 1
-        # Step 1 runs on the initial scales (1); step 2 on scales from step 1's amax, which only a
-        # restored FP8 state still knows (a fresh one would give 1 again).
-        assert first[f"fp8_{kind}_scale_max"] == 1.0
-        assert second[f"fp8_{kind}_scale_max"] < 0.1
+        # Step 1 runs on the initial scales (1); steps 2 and 3 on scales from the amax history,
+        # which only a restored FP8 state still knows after the resume (a fresh one would give 1).
+        assert whole[0][f"fp8_{kind}_scale_max"] == 1.0
+        assert resumed[-1][f"fp8_{kind}_scale_max"] < 0.1
 
 
 def test_bench_fp8_runs_on_cpu_and_checks_numerics(capsys, tmp_path):

@@ -25,6 +25,7 @@ from parallax.pipeline import to_layer_major
 from parallax.sharding import logical_context
 from parallax.train_state import init_state, make_layout
 from parallax.train_step import batch_sharding, make_grad_fn
+from numerics import assert_trees_close
 
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-4, 1e-6
 LAYER_RTOL = 1e-5
@@ -171,9 +172,7 @@ def _grads(cfg: Config, devices=None, with_stats: bool = False):
 
 def _assert_same(got, want):
     np.testing.assert_allclose(got[0], want[0], rtol=LOSS_RTOL)
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
-        err, scale = np.abs(g - r).max(), np.abs(r).max()
-        assert err <= GRAD_ATOL + GRAD_RTOL * scale, (jax.tree_util.keystr(path), err, scale)
+    assert_trees_close(got[1], want[1], GRAD_RTOL, GRAD_ATOL)
     for name, value in (got[2] if len(got) > 2 else {}).items():  # routing stats, per layer
         np.testing.assert_allclose(value, want[2][name], rtol=1e-5, err_msg=name)
 

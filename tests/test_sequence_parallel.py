@@ -31,10 +31,11 @@ from parallax.sharding import DEFAULT_RULES, compute_rules
 from parallax.train import main
 from parallax.train_state import init_state, make_layout
 from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
+from numerics import assert_trees_close
 
 # Same tolerances as tests/test_equivalence.py (BUILD_NOTES.md): fp32, reduction order differs.
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-4, 1e-6
-COLLECTIVE_TOL, MEMORY_TOL = 0.05, 0.15  # as tests/test_cost_validation.py
+COLLECTIVE_TOL, MEMORY_TOL = 0.005, 0.15  # as tests/test_cost_validation.py
 
 MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
 B, T = 16, 32
@@ -61,9 +62,7 @@ def _loss_grads(cfg, devices=None):
 
 def _assert_same(got, want):
     np.testing.assert_allclose(got[0], want[0], rtol=LOSS_RTOL)
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
-        err = np.abs(g - r).max()
-        assert err <= GRAD_ATOL + GRAD_RTOL * np.abs(r).max(), (jax.tree_util.keystr(path), err, np.abs(r).max())
+    assert_trees_close(got[1], want[1], GRAD_RTOL, GRAD_ATOL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,28 +89,36 @@ def test_sequence_parallel_matches_one_device(reference, case):
     _assert_same(_loss_grads(dataclasses.replace(BASE, mesh=mesh, parallel=parallel)), reference)
 
 
-def test_moe_routing_and_gradients_unchanged():
+def test_moe_routing_and_gradients_match_one_device():
     """The MoE layer reads the gathered (full-T) norm output: routing is per sequence, so which
-    tokens drop (capacity factor 1.0) and every gradient are as without sequence parallelism."""
+    tokens drop (capacity factor 1.0) and every gradient are one device's."""
     moe = dataclasses.replace(MODEL, moe=MoEConfig(num_experts=4, top_k=2, every=2, capacity_factor=1.0, shared_experts=1))
-    cfg = dataclasses.replace(BASE, model=moe, mesh=MeshConfig(data=2, tensor=2, expert=2))
-    _assert_same(_loss_grads(dataclasses.replace(cfg, parallel=SP)), _loss_grads(cfg))
+    cfg = dataclasses.replace(BASE, model=moe)
+    got = _loss_grads(dataclasses.replace(cfg, mesh=MeshConfig(data=2, tensor=2, expert=2), parallel=SP))
+    _assert_same(got, _loss_grads(dataclasses.replace(cfg, mesh=MeshConfig(data=1)), available_devices(1)))
 
 
-def test_fp8_zero1_step_unchanged():
-    """FP8 amaxes are global maxima whatever the layout: after one step with ZeRO-1 the loss,
-    parameters and every FP8 scale and history equal those without sequence parallelism."""
-    cfg = dataclasses.replace(BASE, mesh=MeshConfig(data=4, tensor=2), fp8=Fp8Config(enabled=True, amax_history_length=4))
+def test_fp8_zero1_steps_match_one_device():
+    """FP8 amaxes are global maxima whatever the layout: after 3 steps with ZeRO-1 (non-zero amax
+    histories, scales off 1) the losses, parameters and every FP8 scale and history equal one
+    device's. Adam's eps is 1e-2 as in tests/test_fp8_pipeline.py, so that reduction-order
+    differences in near-zero gradients are not normalised up to +-lr."""
+    cfg = dataclasses.replace(BASE, fp8=Fp8Config(enabled=True, amax_history_length=4),
+                              optim=dataclasses.replace(BASE.optim, eps=1e-2))
     out = []
-    for parallel in (ParallelConfig(zero=1), dataclasses.replace(SP, zero=1)):
-        c = dataclasses.replace(cfg, parallel=parallel)
-        mesh = make_mesh(c.mesh)
+    for mesh_cfg, parallel in ((MeshConfig(data=1), ParallelConfig()), (MeshConfig(data=4, tensor=2), dataclasses.replace(SP, zero=1))):
+        c = dataclasses.replace(cfg, mesh=mesh_cfg, parallel=parallel)
+        mesh = make_mesh(c.mesh, available_devices(mesh_cfg.data * mesh_cfg.tensor))
         layout = make_layout(c, mesh)
-        state, metrics = make_train_step(c, layout)(init_state(c, layout), _batch(mesh))
-        out.append((float(metrics["loss"]), jax.tree.map(np.asarray, (state.params, state.fp8))))
+        state, step, losses = init_state(c, layout), make_train_step(c, layout), []
+        for _ in range(3):
+            state, metrics = step(state, _batch(mesh))
+            losses.append(float(metrics["loss"]))
+        out.append((losses, jax.tree.map(np.asarray, (state.params, state.fp8))))
     np.testing.assert_allclose(out[1][0], out[0][0], rtol=LOSS_RTOL)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(out[1][1]), jax.tree.leaves(out[0][1])):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    assert_trees_close(out[1][1], out[0][1], 1e-5, 1e-7)
+    scales = [x for p, x in jax.tree_util.tree_leaves_with_path(out[1][1][1]) if "_scale" in jax.tree_util.keystr(p)]
+    assert scales and all(np.all(s < 0.5) for s in scales)  # not the initial 1: the comparison bites
 
 
 # ----------------------------------------------------------------------------------------------
