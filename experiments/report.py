@@ -24,7 +24,8 @@ runs, so any set compares (BF16 vs FP8, dense vs MoE, 1 device vs 3D/4D layouts)
               compiled HLO against the cost model.
 - memory:     from the same files: XLA's memory analysis per device against the cost model's parts
               (the planner's prediction).
-Duplicated steps (a crash after the last checkpoint, then a resume) keep the last record.
+A resume drops the records of the steps it repeats (a crash after the last checkpoint), so each
+step appears once; in files written before parallax did that, a duplicated step keeps its last record.
 A per-run summary (final losses, median tokens/s) is printed. Bad input (missing workdir or
 metrics.jsonl, a malformed line) prints one line naming the file and exits 2.
 """

@@ -36,6 +36,7 @@ class Attention(nn.Module):
     out_std: float = 0.02
     dtype: Any = jnp.float32
     dot_general: DotGeneralFactory = None
+    grad_dtype: Any = "float32"  # weight gradients' dtype (layers.param_matmul)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -49,7 +50,7 @@ class Attention(nn.Module):
         # keeps each query head with its kv head on the same tensor shard.
         qkv = Dense(
             (k, g + 2, h), ("embed", "kv_heads", None, "kv"), init_std=self.init_std, dtype=self.dtype,
-            dot_general=self.dot_general, name="qkv",
+            dot_general=self.dot_general, grad_dtype=self.grad_dtype, name="qkv",
         )(x)  # [B, T, D] -> [B, T, K, G+2, H]
         b, t = x.shape[:2]
         q = qkv[:, :, :, :g].reshape(b, t, n, h)  # [B, T, K, G, H] -> [B, T, N, H], head = k * G + g
@@ -63,5 +64,5 @@ class Attention(nn.Module):
         out = constrain(out, heads_names)
         return Dense(
             (d_model,), ("heads", "kv", "embed"), contract=2, init_std=self.out_std, dtype=self.dtype,
-            dot_general=self.dot_general, name="out",
+            dot_general=self.dot_general, grad_dtype=self.grad_dtype, name="out",
         )(out)  # [B, T, N, H] -> [B, T, D]

@@ -35,6 +35,7 @@ import gc
 import inspect
 import math
 import os
+import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -113,12 +114,17 @@ def _is_stacked(path: tuple) -> bool:
     return first != "fp8" and any(getattr(k, "key", None) == _STACKED_KEY for k in path)
 
 
-def _layer_major_sharding(s: NamedSharding) -> NamedSharding:
+def _layer_major_sharding(s: NamedSharding, layers: int) -> NamedSharding:
     """[R, P, Lc, ...] placement -> [L, ...]: L sharded over the axes of the three leading dims
     (in practice `pipe`). With R = 1 the reshape moves no data; with R > 1 XLA moves chunks
-    between stages (layer v*Lc.. lives on stage v mod P, but on disk block s holds layers s*R*Lc..)."""
+    between stages (layer v*Lc.. lives on stage v mod P, but on disk block s holds layers s*R*Lc..).
+    Uneven stages (L not a multiple of those axes' size, e.g. 3 layers on 2 stages): the L
+    dimension cannot be split evenly, so it is left unsharded (the snapshot's `_spread` still
+    cuts the other dimensions)."""
     spec = tuple(s.spec) + (None,) * max(0, 3 - len(s.spec))
     lead = tuple(a for e in spec[:3] for a in entry_axes(e))
+    if layers % math.prod(s.mesh.shape[a] for a in lead):
+        lead = ()
     return NamedSharding(s.mesh, P(lead or None, *spec[3:]))
 
 
@@ -129,11 +135,11 @@ class DiskForm:
     def __init__(self, layout: Layout):
         self.pipelined = layout.schedule is not None
         self.units = layout.schedule.units if self.pipelined else 0  # uneven stages: saved without padding
-        shard_of = jax.tree_util.tree_map_with_path(
-            lambda p, s: _layer_major_sharding(s) if self.pipelined and _is_stacked(p) else s,
-            layout.state_shardings,
-        )
         shapes = jax.eval_shape(self.reshape_to_disk, layout.abstract_state)
+        shard_of = jax.tree_util.tree_map_with_path(
+            lambda p, s, x: _layer_major_sharding(s, x.shape[0]) if self.pipelined and _is_stacked(p) else s,
+            layout.state_shardings, shapes,
+        )
         self.target = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shard_of
         )
@@ -238,21 +244,46 @@ def check_shapes(saved: Any, target: Any, where: str) -> None:
             )
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """XLA's and the host's out-of-memory errors. TensorStore reports a full disk as
+    RESOURCE_EXHAUSTED too, with the OS error code: that one is about the files."""
+    text = str(e)
+    return isinstance(e, MemoryError) or ("RESOURCE_EXHAUSTED" in text and "os_error_code" not in text
+                                          and not _disk_errno(e) and "memory" in text.lower())
+
+
+def _disk_errno(e: BaseException) -> int | None:
+    for _ in range(10):
+        if isinstance(e, OSError) and e.errno:
+            return e.errno
+        m = re.search(r"os_error_code='?(\d+)", str(e))
+        if m:
+            return int(m.group(1))
+        if e.__cause__ is None and e.__context__ is None:
+            return None
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _raise_if_not_about_the_files(e: Exception) -> None:
     """Reading errors mark a checkpoint damaged; running out of memory says nothing about the
     files, so it propagates instead of moving a good checkpoint aside."""
-    if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e):
+    if _out_of_memory(e):
         raise e
 
 
 def _reason(e: BaseException) -> str:
     """One line for the user. Orbax wraps TensorStore's error (which names the file and what is
     wrong with it) in a generic one that quotes a whole spec: report the innermost cause."""
+    code = _disk_errno(e)
     for _ in range(10):
         if e.__cause__ is None:
             break
         e = e.__cause__
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if code and not isinstance(e, OSError):  # TensorStore: "... [os_error_code='28']": say it in words
+        where = re.search(r'local file "([^"]+)"', text)
+        return f"{os.strerror(code)}, writing {where.group(1)}" if where else f"{os.strerror(code)}: {text[:300]}"
     text = text.split(" [tensorstore_spec")[0].split(" See full TensorStore details")[0]
     return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
@@ -304,6 +335,24 @@ def _quiet_failed_reads():
             sys.unraisablehook = previous
 
 
+def _drop_closed_loop_errors() -> None:
+    """From the first save on, for the process's life: a write that fails (a full disk) leaves
+    TensorStore callbacks that reach Orbax's closed event loop and print one traceback each
+    (55 for the tiny model) around the one-line error. Only that RuntimeError is dropped; every
+    other unraisable error still reaches the previous hook. Installed once."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_parallax_drops_closed_loop", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if not (isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)):
+            previous(unraisable)
+
+    hook._parallax_drops_closed_loop = True
+    sys.unraisablehook = hook
+
+
 def _thread_ids() -> set[int]:
     """This process's OS threads (Linux: /proc/self/task); empty where there is no such view."""
     try:
@@ -337,6 +386,7 @@ class Checkpoints:
         self._snapshot: Any = None  # jitted: TrainState -> host copy of its saved form
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._writing: concurrent.futures.Future | None = None  # Orbax's save of the last snapshot
+        self._failed = False  # a save failed (and was reported)
 
     def _reader(self) -> ocp.CheckpointManager:
         # create=False and no tmp cleanup: reading never changes the workdir.
@@ -406,6 +456,7 @@ class Checkpoints:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         self._snapshot = make_snapshot(layout, self._disk)
+        _drop_closed_loop_errors()
         # One writer: Orbax's saves run in order, and the threads they start inherit its priority.
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="parallax-checkpoint",
@@ -436,7 +487,7 @@ class Checkpoints:
         self.wait()
         snapshot = self._snapshot(state)
         self._writing = self._writer.submit(self._write, step, snapshot, meta)
-        self.last_saved = step
+        self.last_saved, self._failed = step, False
         return self.path(step)
 
     def _write(self, step: int, snapshot: TrainState, meta: dict) -> None:
@@ -456,8 +507,12 @@ class Checkpoints:
         try:
             if writing is not None:
                 writing.result()
-            if self._manager is not None:
-                self._manager.wait_until_finished()
+            if self._manager is not None and not self._failed:
+                try:
+                    self._manager.wait_until_finished()
+                except Exception:
+                    self._failed = True  # Orbax raises it again on every wait and at close: report it once
+                    raise
         except Exception as e:
             _raise_if_not_about_the_files(e)
             raise CheckpointError(
@@ -473,10 +528,17 @@ class Checkpoints:
 
     def close(self) -> None:
         """Wait for the last save to be finalized (and old ones removed), then release."""
-        if self._manager is not None:
-            try:
+        if self._manager is None:
+            return
+        try:
+            if not self._failed:
                 self.wait()
-            finally:
-                self._writer.shutdown(wait=True)
-                self._manager.close()
-                self._manager, self._writer = None, None
+        finally:
+            manager, writer, self._manager, self._writer = self._manager, self._writer, None, None
+            writer.shutdown(wait=True)
+            try:
+                manager.close()
+            except Exception as e:  # after a failed save Orbax repeats that failure here: said once already
+                if not self._failed:
+                    _raise_if_not_about_the_files(e)
+                    raise CheckpointError(f"closing the checkpoints in {str(self.directory)!r} failed ({_reason(e)})") from e

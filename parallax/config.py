@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import importlib.util
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,10 @@ class ParallelConfig:
     # Megatron sequence parallelism: the residual stream between tensor-parallel regions is
     # sharded over `tensor` on T (each tensor all-reduce -> reduce-scatter + all-gather); no-op at tensor=1
     sequence_parallel: bool = False
+    # dtype the weight gradients are produced and reduced over the batch axes in (`data`, and
+    # `expert` outside MoE layers): float32 as Megatron's main_grad, whatever model.dtype is;
+    # bfloat16 halves the reduction's bytes at bf16 rounding of every partial sum
+    grad_reduce_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -258,12 +263,63 @@ def devices_needed(mesh: MeshConfig, default: int = 8) -> int:
     return fixed
 
 
+# The range of every numeric field, checked (with finiteness for every float) before anything
+# starts: (low, high, low excluded, high excluded), None for no bound. Cross-field and mesh
+# constraints follow in `validate`. Ints bounded by INT32 are sizes and step counts (the step
+# counter is int32); the seed is what jax.random.key accepts. Unlisted ints must fit in int64.
+INT32, INT64, FLOAT32_MAX = 2**31 - 1, 2**63 - 1, 3.4028234663852886e38
+_SIZE, _COUNT, _POS = (1, INT32, False, False), (0, INT32, False, False), (0.0, None, True, False)
+_NONNEG, _UNIT_OPEN_1 = (0.0, None, False, False), (0.0, 1.0, False, True)
+FIELD_RANGES: dict[str, tuple] = {
+    **{f"model.{k}": _SIZE for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size")},
+    "model.rope_theta": _POS, "model.norm_eps": _POS, "model.init_std": _POS,
+    "model.moe.num_experts": _COUNT, "model.moe.top_k": _SIZE, "model.moe.every": _SIZE, "model.moe.d_ff": _COUNT,
+    "model.moe.shared_experts": _COUNT, "model.moe.aux_loss_weight": _NONNEG, "model.moe.z_loss_weight": _NONNEG,
+    "fp8.amax_history_length": _SIZE, "fp8.margin": _NONNEG,
+    "parallel.microbatches": _SIZE, "parallel.repeats": _SIZE,
+    "optim.warmup_steps": _COUNT, "optim.min_lr_ratio": (0.0, 1.0, False, False), "optim.weight_decay": _NONNEG,
+    "optim.b1": _UNIT_OPEN_1, "optim.b2": _UNIT_OPEN_1, "optim.eps": _POS,
+    "data.val_fraction": (0.0, 1.0, True, True),
+    **{f"train.{k}": _SIZE for k in ("steps", "global_batch", "seq_len", "eval_batches", "log_every", "max_bad_steps")},
+    "train.lr": _POS, "train.seed": (0, INT64, False, False),
+    "checkpoint.keep": _SIZE, "checkpoint.background_nice": (0, 19, False, False),
+}
+
+
+def _range_text(lo: typing.Any, hi: typing.Any, lo_open: bool, hi_open: bool) -> str:
+    if isinstance(lo, int):  # an int field
+        low, top = ("-2**63" if lo == -INT64 - 1 else str(lo)), ("2**63-1" if hi == INT64 else str(hi))
+        return f"positive (1..{top})" if lo == 1 else f"an integer in {low}..{top}"
+    if hi is None:
+        return f"a finite number {'>' if lo_open else '>='} {lo:g}"
+    return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+
+def check_fields(cfg: Config) -> None:
+    """Every float field finite, every numeric field in its FIELD_RANGES range (the error names the
+    field and says the range). Needs no devices: runs before JAX starts."""
+    for key, value in flatten(cfg).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, float) and math.isfinite(value) and abs(value) > FLOAT32_MAX:  # inf on the device
+            raise ConfigError(f"{key}: must be finite in float32, as the device computes with it (|x| <= 3.4e38), "
+                              f"got {value}")
+        if key not in FIELD_RANGES and not isinstance(value, int):  # an unlisted float: any finite value
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}: must be a finite number, got {value}")
+            continue
+        lo, hi, lo_open, hi_open = FIELD_RANGES.get(key, (-INT64 - 1, INT64, False, False))
+        if not math.isfinite(value) or (value <= lo if lo_open else value < lo) or (
+                hi is not None and (value >= hi if hi_open else value > hi)):
+            shown = f"an integer of {value.bit_length()} bits" if isinstance(value, int) and abs(value) >= 10**30 else value
+            raise ConfigError(f"{key}: must be {_range_text(lo, hi, lo_open, hi_open)}, got {shown}")
+
+
 def validate(cfg: Config, sizes: dict[str, int]) -> None:
-    """Check the model, batch and parallel settings against resolved mesh sizes."""
+    """Check every field's range, then the model, batch and parallel settings against resolved
+    mesh sizes."""
+    check_fields(cfg)
     m, t, tr = cfg.model, sizes["tensor"], cfg.train
-    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
-        if getattr(m, name) <= 0:
-            raise ConfigError(f"model.{name}: must be positive, got {getattr(m, name)}")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
     if m.n_heads % m.n_kv_heads:
@@ -284,19 +340,11 @@ def validate(cfg: Config, sizes: dict[str, int]) -> None:
         )
     if cfg.parallel.remat not in ("none", "full", "dots"):
         raise ConfigError(f"parallel.remat: must be 'none', 'full' or 'dots', got {cfg.parallel.remat!r}")
+    if cfg.parallel.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+        raise ConfigError(f"parallel.grad_reduce_dtype: must be one of {GRAD_REDUCE_DTYPES}, "
+                          f"got {cfg.parallel.grad_reduce_dtype!r}")
     _validate_moe(cfg, sizes)
     _validate_pipeline(cfg, sizes)
-    for name in ("steps", "global_batch", "seq_len", "log_every", "eval_batches"):
-        if getattr(tr, name) <= 0:
-            raise ConfigError(f"train.{name}: must be positive, got {getattr(tr, name)}")
-    if tr.lr <= 0:
-        raise ConfigError(f"train.lr: must be positive, got {tr.lr}")
-    if tr.max_bad_steps <= 0:
-        raise ConfigError(f"train.max_bad_steps: must be positive, got {tr.max_bad_steps}")
-    if cfg.checkpoint.keep <= 0:
-        raise ConfigError(f"checkpoint.keep: must be positive, got {cfg.checkpoint.keep}")
-    if not 0 <= cfg.checkpoint.background_nice <= 19:
-        raise ConfigError(f"checkpoint.background_nice: must be in 0..19 (a nice value), got {cfg.checkpoint.background_nice}")
     dp = sizes["data"] * sizes["expert"]
     if tr.global_batch % dp:
         raise ConfigError(
@@ -310,8 +358,6 @@ def validate(cfg: Config, sizes: dict[str, int]) -> None:
         )
     if cfg.data.token_dtype not in ("uint16", "uint32"):
         raise ConfigError(f"data.token_dtype: must be 'uint16' or 'uint32', got {cfg.data.token_dtype!r}")
-    if not 0 < cfg.data.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
     if cfg.data.source == "stdlib" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 256 for data.source='stdlib' (bytes)")
     _validate_fp8(cfg, sizes)
@@ -348,6 +394,7 @@ def _validate_noise_scale(cfg: Config, sizes: dict[str, int]) -> None:
                           "per-shard amaxes)")
 
 
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 FP8_COMPUTE_DTYPES = ("float32", "bfloat16")  # what parallax/fp8.py quantises from and returns
 
 
@@ -355,10 +402,6 @@ def _validate_fp8(cfg: Config, sizes: dict[str, int]) -> None:
     f = cfg.fp8
     if f.recipe not in ("delayed", "current"):
         raise ConfigError(f"fp8.recipe: must be 'delayed' or 'current', got {f.recipe!r}")
-    if f.amax_history_length < 1:
-        raise ConfigError(f"fp8.amax_history_length: must be >= 1, got {f.amax_history_length}")
-    if not (f.margin >= 0 and math.isfinite(f.margin)):
-        raise ConfigError(f"fp8.margin: must be a finite number >= 0, got {f.margin}")
     if f.logits and not f.enabled:
         raise ConfigError("fp8.logits=True needs fp8.enabled=True (it would be silently ignored)")
     if not f.enabled:
@@ -395,8 +438,6 @@ def stage_padding(units: int, stages: int, repeats: int = 1) -> int | None:
 
 def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
     e, m = cfg.model.moe, cfg.model
-    if e.num_experts < 0:
-        raise ConfigError(f"model.moe.num_experts: must be >= 0 (0 is a dense model), got {e.num_experts}")
     if not e.num_experts:
         if sizes["expert"] != 1:
             raise ConfigError(
@@ -413,13 +454,6 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
     if e.d_ff < 0 or expert_d_ff(m) % sizes["tensor"]:
         raise ConfigError(f"model.moe.d_ff={e.d_ff} must be >= 0 (0: model.d_ff) with an expert hidden size "
                           f"divisible by mesh.tensor={sizes['tensor']}")
-    if e.shared_experts < 0:
-        raise ConfigError(f"model.moe.shared_experts: must be >= 0, got {e.shared_experts}")
-    for name in ("aux_loss_weight", "z_loss_weight"):
-        if not (getattr(e, name) >= 0 and math.isfinite(getattr(e, name))):
-            raise ConfigError(f"model.moe.{name}: must be a finite number >= 0, got {getattr(e, name)}")
-    if not math.isfinite(e.capacity_factor):
-        raise ConfigError(f"model.moe.capacity_factor: must be finite (<= 0 means dropless), got {e.capacity_factor}")
     if e.dispatch not in MOE_DISPATCH:
         raise ConfigError(f"model.moe.dispatch: must be one of {MOE_DISPATCH}, got {e.dispatch!r}")
     piped = sizes["pipe"] > 1 or cfg.parallel.microbatches > 1
@@ -439,9 +473,6 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"parallel.schedule: must be 'gpipe', 'circular' or '1f1b', got {par.schedule!r}")
     if par.schedule == "1f1b" and par.zero > 1:
         raise ConfigError(f"parallel.zero={par.zero}: parallel.schedule='1f1b' supports ZeRO 0 and 1")
-    if par.microbatches < 1 or par.repeats < 1:
-        name = "microbatches" if par.microbatches < 1 else "repeats"
-        raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(par, name)}")
     if par.repeats > 1 and par.schedule != "circular":
         raise ConfigError(f"parallel.repeats={par.repeats} needs parallel.schedule='circular', got {par.schedule!r}")
     if p > 1 and par.microbatches < p:
@@ -457,6 +488,16 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
                           f"stack to a multiple of {chunks} would leave a pipeline stage with no layer")
 
 
+def default_workdir(cfg: Config) -> Path:
+    """runs/<name>; a name that is not one plain path component (a '/', '.', '..') would put the
+    workdir elsewhere, so it is refused."""
+    name = cfg.name
+    if not name or name in (".", "..") or "/" in name or "\0" in name or (os.altsep and os.altsep in name):
+        raise ConfigError(f"name: {name!r} is not a plain file name (no '/', not '.' or '..'), so runs/<name> "
+                          "would not be a directory under runs/; rename the run or pass --workdir")
+    return Path("runs") / name
+
+
 # ----------------------------------------------------------------------------------------------
 # Experiment files
 
@@ -464,12 +505,19 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
 def load_experiment(path: str | Path) -> Config:
     """Import an experiment file and return its `get_config()`; errors name the file."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"experiment file {str(path)!r} is a directory, not a Python file defining get_config()")
     if not path.is_file():
         raise ConfigError(f"experiment file {str(path)!r} does not exist")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"experiment file {str(path)!r} cannot be read (permission denied)")
     spec = importlib.util.spec_from_file_location(f"parallax_experiment_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:  # sys.exit() at import would otherwise end parallax, maybe with status 0
+        raise ConfigError(f"experiment file {str(path)!r} called sys.exit({e.code!r}) while being imported; "
+                          "an experiment file must only define get_config()") from e
     except Exception as e:  # the user's file failed to import: say which file and why
         raise ConfigError(f"experiment file {str(path)!r} failed to import: {type(e).__name__}: {e}") from e
     get_config = getattr(module, "get_config", None)
@@ -477,6 +525,8 @@ def load_experiment(path: str | Path) -> Config:
         raise ConfigError(f"experiment file {str(path)!r} does not define get_config()")
     try:
         cfg = get_config()
+    except SystemExit as e:
+        raise ConfigError(f"experiment file {str(path)!r}: get_config() called sys.exit({e.code!r})") from e
     except Exception as e:  # the user's get_config() raised: name the file, keep the reason
         raise ConfigError(f"experiment file {str(path)!r}: get_config() failed: {type(e).__name__}: {e}") from e
     if not isinstance(cfg, Config):

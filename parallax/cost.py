@@ -12,8 +12,11 @@ What it models is parallax's own program, not an idealised one:
   XLA:CPU, a reduce-scatter (result 1/t) on GPU/TPU; 2 all-gathers per block each way (more
   when recomputed), one before the head, one of the embedding's cotangent; the norm scales'
   partial gradients; pipe sends and psums carry 1/t.
-- data: the gradient all-reduce moves the tensor-sharded parameter bytes (float32), per layer
-  inside the backward loop, or once after the tick loop when pipelined; ZeRO-1 all-gathers the
+- data: the gradient all-reduce moves the tensor-sharded parameter bytes, per layer inside the
+  backward loop, or once after the tick loop when pipelined: matmul-weight gradients in
+  `parallel.grad_reduce_dtype` (layers.param_matmul; float32 on XLA:CPU, which promotes bf16
+  collectives, and inside a pipeline, whose stage gradients are reduced as the float32 master's
+  cotangent where the shard_map is transposed), norm scales and the MoE router in float32; ZeRO-1 all-gathers the
   updated parameters once; ZeRO-3 gathers each layer's weights forward (and again backward when a
   remat policy recomputes them), the embedding, head and final norm once.
 - pipe: GPipe/circular send two half-microbatches per tick forward and two in the transpose,
@@ -41,6 +44,7 @@ from parallax.config import Config, ModelConfig, expert_d_ff
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
 REMATS = ("none", "full", "dots")
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # config.GRAD_REDUCE_DTYPES, in this order
 GPIPE, CIRCULAR, ONE_F_ONE_B = range(3)
 NONE, FULL, DOTS = range(3)
 
@@ -87,12 +91,14 @@ class Grid:
     repeats: Any = 1
     remat: Any = NONE  # index into REMATS
     sequence: Any = 0  # 1: sequence parallelism (the residual stream's T sharded over tensor)
+    grad_reduce: Any = 0  # index into GRAD_REDUCE_DTYPES (parallel.grad_reduce_dtype)
 
     @classmethod
     def of(cls, cfg: Config, sizes: dict[str, int]) -> Grid:
         p = cfg.parallel
         return cls(sizes["data"], sizes["tensor"], sizes["pipe"], sizes["expert"], p.zero, p.microbatches,
-                   SCHEDULES.index(p.schedule), p.repeats, REMATS.index(p.remat), int(p.sequence_parallel))
+                   SCHEDULES.index(p.schedule), p.repeats, REMATS.index(p.remat), int(p.sequence_parallel),
+                   GRAD_REDUCE_DTYPES.index(p.grad_reduce_dtype))
 
     def pick(self, index: Any) -> Grid:
         return Grid(**{f.name: np.asarray(getattr(self, f.name))[index] if np.ndim(getattr(self, f.name)) else
@@ -181,6 +187,14 @@ class Dims:
         self.embed_t = self.V * self.D / t
         self.head_t = 0 if m.tie_embeddings else self.D * self.V / t
         self.outer_t = self.embed_t + self.head_t + self.D
+        # Gradient bytes on the wire over the batch axes: a matmul weight's in grad_reduce_dtype
+        # (2 bytes for bfloat16 on GPU/TPU), the norm scales' and the router's in float32.
+        # A pipeline stage's gradients are always float32 (see the module docstring).
+        self.gb = np.where((np.asarray(g.grad_reduce) == 1) & (not self.cpu), 2, 4)
+        self.gb_stage = np.where(self.piped, 4, self.gb)  # the block stack's matmul weights
+        router = self.moe * self.D * self.E
+        self.unit_ne_bytes = self.gb_stage * (self.unit_ne - self.unit_norms - router) + 4 * (self.unit_norms + router)
+        self.unit_ex_bytes = self.gb_stage * self.unit_ex
         self.params_t = self.Ldev * self.layer_t + self.outer_t  # tensor-, expert- and pipe-sharded
         self.act = self.tok * self.D * self.c  # one [B/dp, T, D] buffer
         self.act_m = self.act / self.M
@@ -316,16 +330,16 @@ def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> lis
     split = on_data & on_e & ((s.zero == 1) | scatter) & ~piped
     kinds = (("all-reduce", ~scatter, 1), ("reduce-scatter", scatter, dp))
     for kind, on, shard in kinds:
-        add(batch_axes, kind, "layer gradients (in the backward loop)", 4 * s.unit_ne / shard, s.U,
+        add(batch_axes, kind, "layer gradients (in the backward loop)", s.unit_ne_bytes / shard, s.U,
             on_d & on & grad_loop & ~split, "backward", None, dp)
     for kind, on, shard in kinds:
         add(("data",), kind, "MoE expert-weight gradients (data only, in the backward loop)",
-            4 * s.unit_ex / np.where(shard > 1, s.d, 1), s.U, on_data & on & grad_loop, "backward", None, s.d)
+            s.unit_ex_bytes / np.where(shard > 1, s.d, 1), s.U, on_data & on & grad_loop, "backward", None, s.d)
         add(("data",), kind, "layer gradients but norms, over data (ZeRO-1 with experts)",
-            4 * (s.unit_ne - s.unit_norms) / np.where(shard > 1, s.d, 1), s.U, on & grad_loop & split, "backward",
+            (s.unit_ne_bytes - 4 * s.unit_norms) / np.where(shard > 1, s.d, 1), s.U, on & grad_loop & split, "backward",
             None, s.d)
     add(("expert",), "all-reduce", "layer gradients but norms, 1/data slice over expert (ZeRO-1 with experts)",
-        4 * (s.unit_ne - s.unit_norms) / s.d, s.U, grad_loop & split, "backward", None, s.ep)
+        (s.unit_ne_bytes - 4 * s.unit_norms) / s.d, s.U, grad_loop & split, "backward", None, s.ep)
     add(batch_axes, "all-reduce", "norm-scale gradients (ZeRO-1 with experts)", 4 * s.unit_norms, s.U,
         grad_loop & split, "backward", None, dp)
     # Pipelined: once after the tick loop; expert weights over `data` alone, as in the loop above.
@@ -346,13 +360,16 @@ def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> lis
         4 * units_dev * s.unit_ne / s.d, 1, zero3_e & on_data, "exposed", None, s.d)
     # 1F1B reduces the embedding twice: its (zero) head-side gradient inside, the real one outside.
     outer_t = s.outer_t + np.where(f1b, s.embed_t, 0)
+    # The embedding and head gradients' bytes; 1F1B's head-side ones come out of its stage
+    # shard_map as float32 cotangents (seen compiling for TPU), the real embedding's does not.
+    tables = np.where(f1b, s.gb * s.embed_t + 4 * (s.embed_t + s.head_t), s.gb * (s.embed_t + s.head_t))
     for kind, on, shard in kinds:
-        add(batch_axes, kind, "embedding, head and final-norm gradients", 4 * outer_t / shard, 1, on_d & on & ~split,
-            "backward", None, dp)
+        add(batch_axes, kind, "embedding, head and final-norm gradients", (tables + 4 * s.D) / shard, 1,
+            on_d & on & ~split, "backward", None, dp)
         add(("data",), kind, "embedding and head gradients over data (ZeRO-1 with experts)",
-            4 * (outer_t - s.D) / np.where(shard > 1, s.d, 1), 1, on & split, "backward", None, s.d)
+            tables / np.where(shard > 1, s.d, 1), 1, on & split, "backward", None, s.d)
     add(("expert",), "all-reduce", "embedding and head gradients, 1/data slice over expert (ZeRO-1 with experts)",
-        4 * (outer_t - s.D) / s.d, 1, split, "backward", None, s.ep)
+        tables / s.d, 1, split, "backward", None, s.ep)
     add(batch_axes, "all-reduce", "final-norm gradient (ZeRO-1 with experts)", 4 * s.D, 1, split, "backward", None, dp)
     # One gather per parameter array, over data (ZeRO shards over data only).
     z1, z3 = s.zero == 1, s.zero == 3

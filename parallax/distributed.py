@@ -22,11 +22,16 @@ collective. `--heartbeat-timeout` sets that bound (JAX's default: 100 s).
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import glob
 import importlib.util
 import mmap
 import os
 import re
+import signal
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +189,176 @@ def error_prefix() -> str:
     """'parallax' or, in a multi-process run, 'parallax[process 1/2]' so that interleaved logs of
     several hosts say which process failed."""
     return f"parallax[{_label}]" if _label else "parallax"
+
+
+# ----------------------------------------------------------------------------------------------
+# One run per workdir (the lock), and the signals that stop it
+
+LOCK_NAME = ".parallax.lock"
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+class WorkdirLock:
+    """An exclusive `flock` on WORKDIR/.parallax.lock, held for the life of the run.
+
+    The kernel drops a flock when its process ends, however it ends (kill -9 included), so a lock
+    is never stale and is never deleted. It reaches other hosts where the shared filesystem
+    carries locks (NFS: Linux sends flock as a POSIX lock, hence the file is opened for writing;
+    GPFS; Lustre mounted with `-o flock`). The processes of one multi-process run share the workdir:
+    only process 0 takes the lock and the others follow its verdict (train.py), so that run
+    excludes every other run whatever its process count. The file holds the holder's pid, host
+    and start time, for the message that refuses a second run."""
+
+    def __init__(self, workdir: str | os.PathLike):
+        self.path = Path(workdir) / LOCK_NAME
+        self._fd: int | None = None
+        self.unsupported: str | None = None  # why the filesystem took no lock (the run goes on unlocked)
+
+    def acquire(self, create: bool) -> bool | None:
+        """True: held (already, or now). False: another process holds it. None: there is no lock
+        file and `create` is False. Creates nothing unless `create`."""
+        if self._fd is not None:
+            return True
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
+        except FileNotFoundError:
+            if create:
+                raise
+            return None
+        except OSError as e:
+            raise UserError(f"workdir {str(self.path.parent)!r}: cannot open its lock file {self.path.name} "
+                            f"({e.strerror}); the workdir must be writable") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                os.close(fd)
+                raise
+            self.unsupported = e.strerror
+        self._fd = fd
+        return True
+
+    def holder(self) -> str:
+        """' (pid 123 on host h since ...)' from the lock file, or '' if it says nothing yet."""
+        try:
+            text = self.path.read_text(errors="replace").strip()
+        except OSError:
+            return ""
+        return f" ({text[:200]})" if text else ""
+
+    def record(self) -> None:
+        """Write who holds the lock into the file (only once every check has passed)."""
+        if self._fd is None:
+            return
+        import socket
+        import time
+
+        text = f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, text.encode(), 0)
+        except OSError:
+            pass  # the note is for messages only; the lock itself is what counts
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+
+class StopSignals:
+    """SIGTERM and SIGINT, counted. During start-up (`training` False: imports, restore, compile)
+    the first one ends the process at once with one line: no step ran, so nothing was saved. In
+    training, the first finishes the step, saves and exits 0 (the loop reads `received`); a second
+    says that the save is being finished and lets it finish; a third abandons it (exit 128+signal).
+
+    A thread watches them through `signal.set_wakeup_fd`: the C-level handler writes the signal's
+    number to a pipe at once, so a signal is answered even while the main thread is inside a long
+    call into XLA (a compile), where a Python-level handler would wait for it to return.
+
+    `restore=False` (the CLI's process, which ends after the run): leaving the block keeps the
+    handlers, so a signal that arrives after the final save, before the process is gone, cannot
+    turn its exit 0 into a kill; a third one still ends it at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, restore: bool = True) -> None:
+        self.received: str | None = None
+        self.count = 0
+        self.training = False
+        self.finished = False  # the block was left (restore=False): nothing is left to save
+        self._restore = restore
+        self.saving: str = ""  # what a second signal waits for, for its message
+        self._previous: dict = {}
+        self._pipe: tuple[int, int] | None = None
+        self._previous_fd = -1
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():  # signal.signal's requirement
+            return self
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._pipe = (r, w)
+        self._previous = {s: signal.signal(s, self._python_handler) for s in self.SIGNALS}
+        self._previous_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="parallax-signals", daemon=True)
+        self._thread.start()
+        return self
+
+    @staticmethod
+    def _python_handler(signum, frame) -> None:
+        """Only replaces the default action (termination, KeyboardInterrupt); `_watch` acts."""
+
+    def _watch(self) -> None:
+        while True:
+            for signum in os.read(self._pipe[0], 64):
+                if signum == 0:  # __exit__
+                    return
+                if signum in self.SIGNALS:
+                    self._on_signal(signal.Signals(signum))
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.count += 1
+        if self.finished:
+            if self.count >= 3:
+                self._exit(f"parallax: {sig.name} received (a third stop signal): exiting", 128 + sig)
+            return
+        if not self.training:
+            self._exit(f"parallax: {sig.name} received during start-up, before any step ran: stopped; nothing was "
+                       "saved (run the same command to start again)", 128 + sig)
+        if self.count == 1:
+            self.received = sig.name
+        elif self.count == 2:
+            print(f"parallax: {sig.name} received (a second stop signal): finishing "
+                  f"{self.saving or 'the step and its checkpoint'} first; a third signal abandons it", flush=True)
+        else:
+            self._exit(f"parallax: {sig.name} received (a third stop signal): stopped without finishing "
+                       f"{self.saving or 'the save'}; the checkpoints finalized before it are kept", 128 + sig)
+
+    @staticmethod
+    def _exit(line: str, code: int) -> None:
+        sys.stdout.flush()
+        print(line, file=sys.stderr, flush=True)
+        os._exit(code)
+
+    def __exit__(self, *exc) -> None:
+        if self._pipe is None:
+            return
+        if not self._restore:
+            self.finished = True
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        os.write(self._pipe[1], b"\0")
+        self._thread.join()
+        for fd in self._pipe:
+            os.close(fd)
+        self._pipe, self._previous = None, {}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -49,7 +49,6 @@ hook there fails loudly: the custom VJP would return a device-varying state for 
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -61,6 +60,7 @@ from flax.linen import fp8_ops
 from jax import lax
 
 from parallax.config import Fp8Config
+from parallax.layers import ParamUse, dot_grad_lhs, dot_grad_rhs, match_varying
 
 FP8_COLLECTION = "fp8_meta"
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -110,6 +110,9 @@ class _Static(NamedTuple):
     out_dtype: Any
     x_dtype: Any
     w_dtype: Any
+    # Set when the kernel comes in as its master weight (layers.param_matmul): cast (and, ZeRO-3,
+    # gathered) inside the forward pass, its gradient emitted and reduced in param.grad_dtype.
+    param: ParamUse | None = None
 
 
 def _as_f32(x: jax.Array) -> jax.Array:
@@ -118,25 +121,6 @@ def _as_f32(x: jax.Array) -> jax.Array:
 
 def _reduce(x: jax.Array, axes: tuple[str, ...], op: Any) -> jax.Array:
     return op(x, axes) if axes else x
-
-
-def _varying_axes(x: jax.Array) -> frozenset:
-    """The manual shard_map axes x varies over (empty outside shard_map)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
-def _match_varying(*xs: jax.Array) -> list[jax.Array]:
-    """Inside shard_map, give the operands one varying type (x sharded, w replicated: w is cast).
-    A custom VJP must return each cotangent with its input's type; the cast's transpose is the
-    psum that sums the weight gradient over the shards, as lax.dot_general would."""
-    union = frozenset().union(*(_varying_axes(x) for x in xs))
-    out = []
-    for x in xs:
-        missing = tuple(sorted(union - _varying_axes(x)))
-        out.append(lax.pcast(x, missing, to="varying") if missing else x)
-    return out
 
 
 def quantize(x: jax.Array, meta: tuple, qdtype: Any, st: _Static) -> tuple[jax.Array, tuple]:
@@ -168,34 +152,9 @@ def _restore(new: tuple, like: tuple) -> tuple:
 # The FP8 dot and its VJP
 
 
-def _remaining(n: int, *removed: tuple[int, ...]) -> list[int]:
-    gone = set(itertools.chain(*removed))
-    return [i for i in range(n) if i not in gone]
-
-
-def _grad_lhs(g: jax.Array, y: jax.Array, dims: Any, x_ndim: int, swap: bool = False) -> jax.Array:
-    """d(x . y)/dx contracted with g, with FP8 operands kept FP8 and a float32 result.
-
-    (lax's own transpose rule would ask for an FP8 result; this is its arithmetic, as in Flax.)
-    """
-    (xc, yc), (xb, yb) = dims
-    x_kept, y_kept = _remaining(x_ndim, xc, xb), _remaining(y.ndim, yc, yb)
-    nb = len(xb)
-    start = nb if swap else nb + len(x_kept)  # output layout: [batch, x kept, y kept] (or swapped)
-    ans_y = tuple(range(start, start + len(y_kept)))
-    out = lax.dot_general(g, y, ((ans_y, tuple(y_kept)), (tuple(range(nb)), tuple(yb))),
-                          preferred_element_type=jnp.float32)
-    # out: [batch, x kept, x contracted in the order of y's contracted dims] -> x's layout
-    x_contract_by_y = [xc[i] for i in np.argsort(yc)]
-    return lax.transpose(out, tuple(np.argsort(list(xb) + x_kept + x_contract_by_y)))
-
-
-def _grad_rhs(g: jax.Array, x: jax.Array, dims: Any, y_ndim: int) -> jax.Array:
-    (xc, yc), (xb, yb) = dims
-    return _grad_lhs(g, x, ((yc, xc), (yb, xb)), y_ndim, swap=True)
-
-
 def _dot_fwd(x, w, x_meta, w_meta, g_meta, st: _Static):
+    if st.param is not None:
+        w = st.param.weight(w)  # the compute-dtype copy, quantised from as without `param`
     qx, x_new = quantize(x, x_meta, E4M3, st)
     qw, w_new = quantize(w, w_meta, E4M3, st)
     sx, sw = x_new[0], w_new[0]
@@ -210,10 +169,16 @@ def _dot_bwd(st: _Static, res, g):
     qx, qw, sx, sw, x_new, w_new, g_meta = res
     qg, g_new = quantize(g, g_meta, E5M2, st)
     sg = g_new[0]
-    dx = _grad_lhs(qg, qw, st.dims, qx.ndim)
+    # FP8 operands kept FP8 (lax's own transpose rule would ask for an FP8 result), float32
+    # results, as in Flax.
+    dx = dot_grad_lhs(qg, qw, st.dims, qx.ndim, jnp.float32)
     dx = (dx * jnp.broadcast_to(sw * sg, dx.shape)).astype(st.x_dtype)
-    dw = _grad_rhs(qg, qx, st.dims, qw.ndim)
-    dw = (dw * jnp.broadcast_to(sx * sg, dw.shape)).astype(st.w_dtype)
+    if st.param is None:
+        dw = dot_grad_rhs(qg, qx, st.dims, qw.ndim, jnp.float32)
+        dw = (dw * jnp.broadcast_to(sx * sg, dw.shape)).astype(st.w_dtype)
+    else:  # the partial sums leave the matmul, and are reduced, in grad_dtype; scaled after
+        dw = st.param.placement.to_storage(dot_grad_rhs(qg, qx, st.dims, qw.ndim, st.param.grad_dtype))
+        dw = (dw.astype(jnp.float32) * jnp.broadcast_to(sx * sg, dw.shape)).astype(st.w_dtype)
     return dx, dw, x_new, w_new, _restore(g_new, g_meta)
 
 
@@ -239,7 +204,9 @@ class Fp8DotGeneral(nn.Module):
     amax_axes: tuple[str, ...] = ()
 
     @nn.compact
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                 param: ParamUse | None = None):
+        """`param`: rhs is a master weight to be used as `param` says (layers.param_matmul)."""
         del precision  # FP8 operands, float32 accumulation: nothing to choose
         if self.recipe not in RECIPES:
             raise ValueError(f"Fp8DotGeneral.recipe: must be one of {RECIPES}, got {self.recipe!r}")
@@ -254,8 +221,8 @@ class Fp8DotGeneral(nn.Module):
         (xc, yc), (xb, yb) = dimension_numbers
         dims = ((tuple(xc), tuple(yc)), (tuple(xb), tuple(yb)))
         st = _Static(dims, self.recipe, float(self.margin), tuple(self.amax_axes), jnp.dtype(out_dtype),
-                     jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
-        lhs, rhs = _match_varying(lhs, rhs)  # the state stays as it came in (not psum-ed on transpose)
+                     jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), param)
+        lhs, rhs = match_varying(lhs, rhs)  # the state stays as it came in (not psum-ed on transpose)
         return fp8_dot(lhs, rhs, *metas, st)
 
 

@@ -3,27 +3,177 @@
 Single-device math annotated with logical axis names only; sharding.py decides where they live.
 Parameters are float32 (master weights); compute happens in `dtype`.
 
-Parameters pass through `constrain_param` where they are used: under ZeRO-3 that is where they
-are all-gathered from their storage layout to their compute layout (see sharding.py).
+Every matmul whose weight is a parameter goes through `param_matmul`: the float32 master is cast
+to the compute dtype (under ZeRO-3 also all-gathered there, sharding.ParamPlacement) inside a
+custom VJP whose weight gradient leaves the matmul in `grad_dtype`. Why: with plain autodiff of
+`kernel.astype(bfloat16)` the weight-gradient matmul's output is bfloat16, and the partitioner
+reduces that partial sum over the batch axes in bfloat16 right after the dot; the cast's
+transpose converts to float32 only afterwards. Megatron's weight-gradient GEMM writes an fp32
+main_grad and reduces that: `grad_dtype='float32'` (parallel.grad_reduce_dtype) is the same here.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-from parallax.sharding import constrain, constrain_param
+from parallax.sharding import ParamPlacement, constrain, constrain_param, param_placement
 
 # A factory returning a Flax module with lax.dot_general's signature (e.g. an FP8 op that keeps
-# its scaling state in its own collection). None means plain jax.lax.dot_general.
+# its scaling state in its own collection). None means plain jax.lax.dot_general. Called from
+# `param_matmul`, the module also gets the float32 master weight as `rhs` and `param=ParamUse`:
+# it casts (and gathers) the weight itself and returns its gradient as ParamUse says.
 DotGeneralFactory = Callable[[], nn.Module] | None
 
 
-def _dot_general(factory: DotGeneralFactory) -> Callable[..., jax.Array]:
-    return jax.lax.dot_general if factory is None else factory()
+def _dot_general(factory: DotGeneralFactory) -> Callable[..., jax.Array] | None:
+    return None if factory is None else factory()
+
+
+# ----------------------------------------------------------------------------------------------
+# The matmul of an activation with a parameter
+
+
+@dataclass(frozen=True)
+class ParamUse:
+    """How one matmul uses its master weight (hashable: a custom VJP's static argument)."""
+
+    placement: ParamPlacement  # ZeRO-3: gathered in the forward pass, its gradient reduce-scattered
+    dtype: Any  # compute dtype: the weight is cast to it (on its shard) before the matmul
+    grad_dtype: Any  # the weight-gradient matmul's output dtype, hence its reduction's
+    param_dtype: Any  # the master weight's dtype (float32), which its gradient is returned in
+
+    def weight(self, w: jax.Array) -> jax.Array:
+        """The master weight as the matmul uses it: cast and, under ZeRO-3, gathered."""
+        return self.placement.to_compute(w, self.dtype)
+
+    def weight_grad(self, dw: jax.Array) -> jax.Array:
+        """A weight gradient in `grad_dtype` (a partial sum over the batch axes) -> the master's
+        gradient: into the storage layout in `grad_dtype` (ZeRO-3's reduce-scatter), then cast."""
+        return self.placement.to_storage(dw).astype(self.param_dtype)
+
+
+def _remaining(n: int, *removed: tuple[int, ...]) -> list[int]:
+    gone = set(itertools.chain(*removed))
+    return [i for i in range(n) if i not in gone]
+
+
+def dot_grad_lhs(g: jax.Array, y: jax.Array, dims: Any, x_ndim: int, out_dtype: Any, swap: bool = False) -> jax.Array:
+    """d(x . y)/dx contracted with the output cotangent g, as a matmul that emits `out_dtype`.
+
+    The arithmetic of lax.dot_general's own transpose rule (same dimension numbers, same
+    transpose), which always emits the forward's preferred_element_type instead.
+    """
+    (xc, yc), (xb, yb) = dims
+    x_kept, y_kept = _remaining(x_ndim, xc, xb), _remaining(y.ndim, yc, yb)
+    nb = len(xb)
+    start = nb if swap else nb + len(x_kept)  # output layout: [batch, x kept, y kept] (or swapped)
+    ans_y = tuple(range(start, start + len(y_kept)))
+    out = lax.dot_general(g, y, ((ans_y, tuple(y_kept)), (tuple(range(nb)), tuple(yb))),
+                          preferred_element_type=out_dtype)
+    # out: [batch, x kept, x contracted in the order of y's contracted dims] -> x's layout
+    x_contract_by_y = [xc[i] for i in np.argsort(yc)]
+    return lax.transpose(out, tuple(np.argsort(list(xb) + x_kept + x_contract_by_y)))
+
+
+def dot_grad_rhs(g: jax.Array, x: jax.Array, dims: Any, y_ndim: int, out_dtype: Any) -> jax.Array:
+    """d(x . y)/dy contracted with g (see dot_grad_lhs)."""
+    (xc, yc), (xb, yb) = dims
+    return dot_grad_lhs(g, x, ((yc, xc), (yb, xb)), y_ndim, out_dtype, swap=True)
+
+
+def _param_dot_fwd(x: Any, w: Any, dims: Any, use: ParamUse):
+    # symbolic_zeros: x and w come as CustomVJPPrimal. An input with no tangent (the embedding's
+    # one-hot) needs no input gradient, so the weight is not kept for one.
+    need_dx = x.perturbed
+    x, w = x.value, w.value
+    wc = use.weight(w)
+    y = lax.dot_general(x, wc, dims, preferred_element_type=use.dtype)
+    # Residuals as plain autodiff keeps them: the input and the compute-dtype weight. Under
+    # remat full and dots both are recomputed (ZeRO-3: gathered again), not saved; ZeRO-3's
+    # `none` policy keeps the gathered weight as it did before (test_grad_reduce.py).
+    return y, (x, wc if need_dx else None, w.ndim)
+
+
+def _param_dot_bwd(dims: Any, use: ParamUse, res: tuple, g: Any):
+    x, wc, w_ndim = res
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        return None, None
+    dx = None if wc is None else dot_grad_lhs(g, wc, dims, x.ndim, x.dtype)
+    dw = _weight_grad_dot(g, x, dims, w_ndim, use.grad_dtype)  # partial sums leave the matmul in grad_dtype
+    return dx, use.weight_grad(dw)
+
+
+def _weight_grad_dot(g: jax.Array, x: jax.Array, dims: Any, w_ndim: int, out_dtype: Any) -> jax.Array:
+    native = functools.partial(dot_grad_rhs, dims=dims, y_ndim=w_ndim, out_dtype=out_dtype)
+    if jnp.dtype(out_dtype).itemsize <= max(g.dtype.itemsize, x.dtype.itemsize):
+        return native(g, x)
+    # XLA:CPU (jaxlib 0.10.2) compiles some bf16 x bf16 -> f32 dots it then refuses to run
+    # ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"); where it runs them,
+    # it converts the operands to f32 first. Converting here is that, and exact (bf16 values).
+    # GPU and TPU keep the bf16 GEMM with its f32 output (the lowering picks one branch).
+    upcast = lambda g, x: native(g.astype(out_dtype), x.astype(out_dtype))  # noqa: E731
+    return lax.platform_dependent(g, x, cpu=upcast, default=native)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def param_dot(x: jax.Array, w: jax.Array, dims: Any, use: ParamUse) -> jax.Array:
+    """lax.dot_general(x, use.weight(w), dims) in use.dtype, its weight gradient emitted in
+    use.grad_dtype. x is already in the compute dtype; w is the master weight."""
+    return lax.dot_general(x, use.weight(w), dims, preferred_element_type=use.dtype)
+
+
+param_dot.defvjp(_param_dot_fwd, _param_dot_bwd, symbolic_zeros=True)
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    """The manual shard_map axes x varies over (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def match_varying(*xs: jax.Array) -> list[jax.Array]:
+    """Inside shard_map, give the operands one varying type (x sharded, w replicated: w is cast).
+    A custom VJP must return each cotangent with its input's type; the cast's transpose is the
+    psum that sums the weight gradient over the shards, as lax.dot_general would."""
+    union = frozenset().union(*(_varying_axes(x) for x in xs))
+    out = []
+    for x in xs:
+        missing = tuple(sorted(union - _varying_axes(x)))
+        out.append(lax.pcast(x, missing, to="varying") if missing else x)
+    return out
+
+
+def param_matmul(x: jax.Array, w: jax.Array, dims: Any, names: tuple[str | None, ...], dtype: Any,
+                 grad_dtype: Any, dot: Callable[..., jax.Array] | None = None) -> jax.Array:
+    """x . w for a master weight w with logical `names`, in `dtype`; the weight gradient in
+    `grad_dtype`. `dot`: an injected dot_general module (FP8), else param_dot.
+
+    `grad_dtype=None` is plain autodiff of `w.astype(dtype)` (the weight gradient in `dtype`
+    until the cast's transpose): the reference the custom VJP is tested against.
+    """
+    x = x.astype(dtype)
+    if grad_dtype is None:
+        wc = constrain_param(w, names, dtype)  # ZeRO-3: all-gather here, in dtype
+        return (dot or lax.dot_general)(x, wc, dims, preferred_element_type=dtype)
+    use = ParamUse(param_placement(names), jnp.dtype(dtype), jnp.dtype(grad_dtype), jnp.dtype(w.dtype))
+    if dot is not None:
+        return dot(x, w, dims, preferred_element_type=dtype, param=use)
+    x, w = match_varying(x, w)
+    return param_dot(x, w, dims, use)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules
 
 
 class Dense(nn.Module):
@@ -35,6 +185,7 @@ class Dense(nn.Module):
     init_std: float = 0.02
     dtype: Any = jnp.float32
     dot_general: DotGeneralFactory = None
+    grad_dtype: Any = "float32"  # the weight gradient's dtype (param_matmul); None: plain autodiff
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -45,12 +196,9 @@ class Dense(nn.Module):
             (*in_shape, *self.features),
             jnp.float32,
         )
-        kernel = constrain_param(kernel, self.axes, self.dtype)  # ZeRO-3: all-gather here, in self.dtype
         lhs_dims = tuple(range(x.ndim - self.contract, x.ndim))
         dims = ((lhs_dims, tuple(range(self.contract))), ((), ()))
-        return _dot_general(self.dot_general)(
-            x.astype(self.dtype), kernel.astype(self.dtype), dims, preferred_element_type=self.dtype
-        )
+        return param_matmul(x, kernel, dims, self.axes, self.dtype, self.grad_dtype, _dot_general(self.dot_general))
 
 
 class Embed(nn.Module):
@@ -65,35 +213,33 @@ class Embed(nn.Module):
     init_std: float = 0.02
     dtype: Any = jnp.float32
     dot_general: DotGeneralFactory = None
+    grad_dtype: Any = "float32"  # the table gradient's dtype (param_matmul); None: plain autodiff
+
+    NAMES = ("vocab", "embed")
 
     def setup(self) -> None:
         self.embedding = self.param(
             "embedding",
-            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), ("vocab", "embed")),
+            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.NAMES),
             (self.vocab_size, self.d_model),
             jnp.float32,
         )
         self.attend_dot_general = _dot_general(self.dot_general)  # a submodule must be made in setup
 
-    @property
-    def table(self) -> jax.Array:
-        return constrain_param(self.embedding, ("vocab", "embed"), self.dtype)
-
     def __call__(self, tokens: jax.Array) -> jax.Array:
         # [B, T] -> [B, T, D]. A one-hot matmul rather than a gather: with `vocab` sharded over
         # `tensor` it partitions as local partial sums plus one all-reduce of [B, T, D] (Megatron's
-        # vocab-parallel embedding) instead of an all-gather of the whole table.
+        # vocab-parallel embedding) instead of an all-gather of the whole table. (The one-hot's
+        # own cotangent is never used: XLA removes that matmul of the backward rule.)
         one_hot = jax.nn.one_hot(tokens, self.vocab_size, dtype=self.dtype)
         one_hot = constrain(one_hot, ("activation_batch", "activation_length", "activation_vocab"))
         dims = (((2,), (0,)), ((), ()))
-        return jax.lax.dot_general(one_hot, self.table.astype(self.dtype), dims, preferred_element_type=self.dtype)
+        return param_matmul(one_hot, self.embedding, dims, self.NAMES, self.dtype, self.grad_dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         # [B, T, D] x [V, D] -> [B, T, V]
         dims = (((2,), (1,)), ((), ()))
-        return self.attend_dot_general(
-            x.astype(self.dtype), self.table.astype(self.dtype), dims, preferred_element_type=self.dtype
-        )
+        return param_matmul(x, self.embedding, dims, self.NAMES, self.dtype, self.grad_dtype, self.attend_dot_general)
 
 
 class RMSNorm(nn.Module):
@@ -120,6 +266,7 @@ class MLP(nn.Module):
     out_std: float = 0.02
     dtype: Any = jnp.float32
     dot_general: DotGeneralFactory = None
+    grad_dtype: Any = "float32"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -128,11 +275,11 @@ class MLP(nn.Module):
         # pass all-reduces one input-gradient partial sum over tensor instead of two.
         gate_up = Dense(
             (2, self.d_ff), ("embed", None, "mlp"), init_std=self.init_std, dtype=self.dtype,
-            dot_general=self.dot_general, name="wi",
+            dot_general=self.dot_general, grad_dtype=self.grad_dtype, name="wi",
         )(x)  # [B, T, D] -> [B, T, 2, F]
         h = nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
         h = constrain(h, ("activation_batch", "activation_length", "activation_mlp"))  # [B, T, F]
         return Dense(
             (d_model,), ("mlp", "embed"), init_std=self.out_std, dtype=self.dtype,
-            dot_general=self.dot_general, name="wo",
+            dot_general=self.dot_general, grad_dtype=self.grad_dtype, name="wo",
         )(h)  # [B, T, D]

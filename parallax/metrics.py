@@ -11,14 +11,19 @@ kind string is passed in (mesh.py is the only caller of `jax.devices()`).
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import re
+import threading
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress as _RichProgress, TextColumn
 from tensorboardX import SummaryWriter
+
+from parallax.config import UserError
 
 # Dense (no 2:4 sparsity) peak FLOP/s per device. Vendor datasheets quote the sparse figure for
 # the NVIDIA 8/16-bit tensor cores; these are half of it. Sources: NVIDIA H100/H200 SXM, A100
@@ -93,26 +98,129 @@ def _scalar(key: str, value):
         raise TypeError(f"metrics field {key!r}: expected a scalar, got {type(value).__name__}") from None
 
 
+class MetricsError(UserError):
+    """metrics.jsonl cannot be opened or written (a full disk, a read-only file): one line, exit 2."""
+
+
+def holds_records(path: str | Path) -> bool:
+    """Whether a metrics.jsonl holds anything: an empty file (a start that failed before its
+    first step) is not a run."""
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 16):
+                if chunk.strip():
+                    return True
+    except FileNotFoundError:
+        return False
+    return False
+
+
+def drop_replayed(path: str | Path, step: int) -> tuple[int, int]:
+    """Before a resume from checkpoint `step`: drop the records of later steps (the run will
+    repeat them after a kill or a failed save), the earlier copy of any step logged twice (files
+    written before this rule), and a trailing partial line. Lines that are not parallax records
+    are kept. Rewritten atomically (a temporary file renamed over it) when anything goes, so
+    every reader sees each step once. Returns (lines dropped, the last step kept, 0 if none)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return 0, 0
+    lines = raw.splitlines(keepends=True)
+    kept: list[tuple[int | None, bytes]] = []
+    for line in lines:
+        if not line.endswith(b"\n"):
+            continue  # a fragment of a write that did not finish
+        try:
+            rec = json.loads(line)
+            s = rec["step"] if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
+        except ValueError:
+            s = None
+        if s is not None:
+            kept = [(k, l) for k, l in kept if k is None or k < s]  # a replay supersedes what it repeats
+            if s > step:
+                continue
+        kept.append((s, line))
+    last = max((k for k, _ in kept if k is not None), default=0)
+    if len(kept) == len(lines):
+        return 0, last
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(b"".join(line for _, line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise MetricsError(f"cannot rewrite {str(path)!r} to drop the records after checkpoint step {step} "
+                           f"({e.strerror})") from None
+    return len(lines) - len(kept), last
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Unbuffered: each line reaches the file now (a crash keeps every line written so far)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+_TB_THREAD_ERRORS: list[str] = []
+
+
+def _keep_tensorboard_thread_errors() -> None:
+    """tensorboardX writes events from its own thread; on a full disk that thread dies with a
+    traceback on stderr. Its errors are kept for MetricsWriter's one warning instead; every other
+    thread's still reach the previous hook. Installed once."""
+    previous = threading.excepthook
+    if getattr(previous, "_parallax_keeps_tb", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__module__.startswith("tensorboardX") and isinstance(args.exc_value, OSError):
+            _TB_THREAD_ERRORS.append(str(args.exc_value.strerror or args.exc_value))
+        else:
+            previous(args)
+
+    hook._parallax_keeps_tb = True
+    threading.excepthook = hook
+
+
 class MetricsWriter:
     """One per run: WORKDIR/metrics.jsonl (one object per write) and TensorBoard under WORKDIR/tb.
 
     mode: 'w' starts fresh, 'a' appends (resume), 'x' refuses to overwrite an existing file.
     enabled=False (every process but 0) writes nothing and creates no files.
     Non-finite floats become null in the JSONL (NaN is not valid JSON) but reach TensorBoard.
+    A write that fails (a full disk) leaves no partial line: the file is cut back to the last
+    whole record and MetricsError is raised. `purge_step` (a resume) hides TensorBoard's events
+    from that step on, which the resumed run writes again.
     """
 
-    def __init__(self, workdir: str | Path, *, enabled: bool = True, mode: str = "w"):
+    def __init__(self, workdir: str | Path, *, enabled: bool = True, mode: str = "w", purge_step: int | None = None):
         if mode not in ("w", "a", "x"):
             raise ValueError(f"MetricsWriter mode must be 'w', 'a' or 'x', got {mode!r}")
         self.enabled = enabled
         self.path = Path(workdir) / "metrics.jsonl"
         self._file = self._tb = None
+        self.tb_error: str | None = None  # TensorBoard is best effort: its first failure, if any
         if not enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Open the JSONL first so that a refused 'x' leaves no TensorBoard directory behind.
-        self._file = open(self.path, mode, encoding="utf-8")
-        self._tb = SummaryWriter(logdir=str(Path(workdir) / "tb"), flush_secs=10)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Open the JSONL first so that a refused 'x' leaves no TensorBoard directory behind.
+            self._file = open(self.path, mode + "b", buffering=0)
+        except OSError as e:
+            if isinstance(e, FileExistsError):
+                raise
+            raise MetricsError(f"cannot open {str(self.path)!r} for writing ({e.strerror})") from None
+        logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)  # its "NaN or Inf found" for every NaN
+        _keep_tensorboard_thread_errors()
+        del _TB_THREAD_ERRORS[:]
+        try:
+            self._tb = SummaryWriter(logdir=str(Path(workdir) / "tb"), flush_secs=10, purge_step=purge_step)
+        except OSError as e:
+            self.tb_error = f"{e.strerror or e}"
 
     def write(self, record: dict) -> None:
         if "step" not in record:
@@ -125,17 +233,40 @@ class MetricsWriter:
         step = int(values["step"])
         values["step"] = step
         line = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
-        self._file.write(json.dumps(line, allow_nan=False) + "\n")
-        self._file.flush()  # a crash or preemption keeps every line written so far
-        for k, v in values.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                self._tb.add_scalar(k, v, global_step=step)
+        data = (json.dumps(line, allow_nan=False) + "\n").encode()
+        fd = self._file.fileno()
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            _write_all(fd, data)
+        except OSError as e:
+            try:
+                os.ftruncate(fd, start)  # needs no space: no partial JSON line is left
+            except OSError:
+                pass
+            raise MetricsError(f"writing step {step} to {str(self.path)!r} failed ({e.strerror})") from None
+        if self._tb is None:
+            return
+        try:
+            for k, v in values.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, global_step=step)
+        except OSError as e:
+            self.tb_error = self.tb_error or f"{e.strerror or e}"
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-            self._tb.close()
-            self._file = self._tb = None
+            self._file = None
+        if self._tb is not None:
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()
+            except OSError as e:  # a full disk: the events are lost, metrics.jsonl is the record
+                self.tb_error = self.tb_error or f"{e.strerror or e}"
+                for w in (getattr(tb, "all_writers", None) or {}).values():  # else tensorboardX's atexit hook retries
+                    getattr(w, "event_writer", w).__dict__["_closed"] = True
+        if _TB_THREAD_ERRORS and self.tb_error is None:
+            self.tb_error = _TB_THREAD_ERRORS[0]
 
     def __enter__(self) -> MetricsWriter:
         return self

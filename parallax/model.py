@@ -38,8 +38,11 @@ REMAT_POLICIES = {
 def remat_policy(name: str) -> Callable | None:
     """The checkpoint policy for one block; None means no remat at all.
 
-    Under ZeRO-3 even `none` remats the all-gathered weights (and only them): the backward pass
-    gathers each layer's weights again instead of holding every layer's full copy.
+    Under ZeRO-3 `none` asks to remat the all-gathered weights (and only them), so that the
+    backward pass would gather each layer's weights again instead of holding every layer's full
+    copy. The compiled step shows it does not: the name sits on the gathered copy, and
+    `save_anything_except_these_names` then saves the copy's producer, the gathered value itself
+    (one gather per weight per step, as cost.py counts). Remat full and dots do gather again.
     """
     if name == "none":
         return jax.checkpoint_policies.save_anything_except_these_names(PARAM_COMPUTE) if params_pinned() else None
@@ -56,6 +59,7 @@ class Block(nn.Module):
     cfg: ModelConfig
     dot_general: DotGeneralFactory = None
     moe: bool | None = None
+    grad_dtype: Any = "float32"  # weight gradients' dtype (layers.param_matmul)
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Stats]:
@@ -65,7 +69,7 @@ class Block(nn.Module):
         h = constrain(RMSNorm(c.norm_eps, dtype, name="attn_norm")(x), NORMED)
         x = x + Attention(
             c.n_heads, c.n_kv_heads, c.d_model // c.n_heads, c.rope_theta, c.init_std, out_std, dtype,
-            self.dot_general, name="attn",
+            self.dot_general, self.grad_dtype, name="attn",
         )(h)
         x = constrain(x, RESIDUAL)
         h = constrain(RMSNorm(c.norm_eps, dtype, name="mlp_norm")(x), NORMED)  # MoE routes whole sequences
@@ -73,12 +77,12 @@ class Block(nn.Module):
         stats: Stats = {}
         if moe:
             y, stats = MoE(c.moe, expert_d_ff(c), c.init_std, out_std, dtype, self.dot_general, EXPERT_EXCHANGE,
-                           name="moe")(h)
+                           self.grad_dtype, name="moe")(h)
             # Full T until the residual add: left free, the partitioner spread the router and the
             # combine over T by `tensor` (sequence parallelism), adding small gathers and sorts.
             y = constrain(y, NORMED)
         else:
-            y = MLP(c.d_ff, c.init_std, out_std, dtype, self.dot_general, name="mlp")(h)
+            y = MLP(c.d_ff, c.init_std, out_std, dtype, self.dot_general, self.grad_dtype, name="mlp")(h)
         return constrain(x + y, RESIDUAL), stats
 
 
@@ -87,12 +91,13 @@ class BlockGroup(nn.Module):
 
     cfg: ModelConfig
     dot_general: DotGeneralFactory = None
+    grad_dtype: Any = "float32"
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Stats]:
         for i in range(self.cfg.moe.every - 1):
-            x, _ = Block(self.cfg, self.dot_general, moe=False, name=f"dense_{i}")(x)
-        return Block(self.cfg, self.dot_general, moe=True, name="moe_block")(x)
+            x, _ = Block(self.cfg, self.dot_general, moe=False, grad_dtype=self.grad_dtype, name=f"dense_{i}")(x)
+        return Block(self.cfg, self.dot_general, moe=True, grad_dtype=self.grad_dtype, name="moe_block")(x)
 
 
 def stack_unit(c: ModelConfig) -> type[nn.Module]:
@@ -107,11 +112,14 @@ class Transformer(nn.Module):
     remat: str = "none"
     dot_general: DotGeneralFactory = None  # the block matmuls (attention projections, MLP)
     logits_dot_general: DotGeneralFactory = None  # the output projection (tied or not)
+    # The dtype every weight gradient leaves its matmul, and is reduced over the batch axes, in
+    # (parallel.grad_reduce_dtype; layers.param_matmul). None: plain autodiff, in the compute dtype.
+    grad_dtype: Any = "float32"
 
     def setup(self) -> None:
         c = self.cfg
         dtype = jnp.dtype(c.dtype)
-        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, dtype, self.logits_dot_general)
+        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, dtype, self.logits_dot_general, self.grad_dtype)
         block = stack_unit(c)
         policy = remat_policy(self.remat)
         if policy is not None:
@@ -122,11 +130,11 @@ class Transformer(nn.Module):
             split_rngs={"params": True},
             length=stack_length(c),
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.dot_general)
+        )(c, self.dot_general, grad_dtype=self.grad_dtype)
         self.final_norm = RMSNorm(c.norm_eps, dtype)
         if not c.tie_embeddings:
             self.logits = Dense((c.vocab_size,), ("embed", "vocab"), init_std=c.init_std, dtype=dtype,
-                                dot_general=self.logits_dot_general)
+                                dot_general=self.logits_dot_general, grad_dtype=self.grad_dtype)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         # [B, T] -> [B, T, D]. The vocab shards' partial sums are reduced at full T, then each

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from parallax.config import MoEConfig
-from parallax.layers import MLP, DotGeneralFactory, _dot_general
+from parallax.layers import MLP, DotGeneralFactory, _dot_general, param_matmul
 from parallax.sharding import constrain, constrain_param
 
 SLOTS = ("activation_batch", None, None, "activation_embed")  # [G, E, C, D] before the exchange
@@ -232,10 +232,14 @@ class MoE(nn.Module):
     dtype: Any = jnp.float32
     dot_general: DotGeneralFactory = None  # the expert matmuls (FP8-capable); the router stays fp32
     exchange: Exchange = LOCAL
+    grad_dtype: Any = "float32"  # the expert weights' gradient dtype (layers.param_matmul)
+
+    def _master(self, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float) -> jax.Array:
+        return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), axes), shape, jnp.float32)
 
     def _kernel(self, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float,
                 dtype: Any = None) -> jax.Array:
-        w = self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), axes), shape, jnp.float32)
+        w = self._master(name, shape, axes, std)
         return constrain_param(w, axes, dtype)  # ZeRO-3: all-gathered here (in the compute dtype, if given)
 
     @nn.compact
@@ -254,18 +258,22 @@ class MoE(nn.Module):
         slots = constrain(dispatch(x.astype(self.dtype), routing, slot, keep, cap), SLOTS)  # [B, E, C, D]
         slots = constrain(self.exchange.to_experts(slots), EXPERT_SLOTS)
         e_here = self.exchange.experts_here(e)
-        wi = self._kernel("wi", (e_here, d, 2, f), ("exp", "embed", None, "mlp"), self.init_std, self.dtype)
-        wo = self._kernel("wo", (e_here, f, d), ("exp", "mlp", "embed"), self.out_std, self.dtype)
+        wi_axes, wo_axes = ("exp", "embed", None, "mlp"), ("exp", "mlp", "embed")
+        wi = self._master("wi", (e_here, d, 2, f), wi_axes, self.init_std)
+        wo = self._master("wo", (e_here, f, d), wo_axes, self.out_std)
         # One batched matmul over the local experts: [B, E, C, D] x [E, D, 2, F] -> [E, B, C, 2, F].
         # Two dot_general instances: each FP8 operand keeps its own scale and history.
-        gate_up = _dot_general(self.dot_general)(slots, wi.astype(self.dtype), (((3,), (1,)), ((1,), (0,))), preferred_element_type=self.dtype)
+        gate_up = param_matmul(slots, wi, (((3,), (1,)), ((1,), (0,))), wi_axes, self.dtype, self.grad_dtype,
+                               _dot_general(self.dot_general))
         h = constrain(nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], HIDDEN)  # [E, B, C, F]
-        out = _dot_general(self.dot_general)(h, wo.astype(self.dtype), (((3,), (1,)), ((0,), (0,))), preferred_element_type=self.dtype)
+        out = param_matmul(h, wo, (((3,), (1,)), ((0,), (0,))), wo_axes, self.dtype, self.grad_dtype,
+                           _dot_general(self.dot_general))
         out = constrain(out.transpose(1, 0, 2, 3), EXPERT_SLOTS)  # [E, B, C, D] -> [B, E, C, D]
         out = constrain(self.exchange.from_experts(out), SLOTS)
         y = combine(out, routing, slot, keep)  # [B, T, D]
         if c.shared_experts:
-            y = y + MLP(c.shared_experts * f, self.init_std, self.out_std, self.dtype, self.dot_general, name="shared")(x)
+            y = y + MLP(c.shared_experts * f, self.init_std, self.out_std, self.dtype, self.dot_general,
+                        self.grad_dtype, name="shared")(x)
         return y.astype(self.dtype), routing_stats(routing, keep, logits)
 
     def _ragged(self, x: jax.Array, routing: Routing, logits: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -280,6 +288,7 @@ class MoE(nn.Module):
         wo = self._kernel("wo", (e_here, f, d), ("exp", "mlp", "embed"), self.out_std, self.dtype)
         y = self.exchange.ragged(ragged_layer(e), x.astype(self.dtype), routing.experts, routing.gates, wi, wo)
         if c.shared_experts:
-            y = y + MLP(c.shared_experts * f, self.init_std, self.out_std, self.dtype, self.dot_general, name="shared")(x)
+            y = y + MLP(c.shared_experts * f, self.init_std, self.out_std, self.dtype, self.dot_general,
+                        self.grad_dtype, name="shared")(x)
         keep = jnp.ones(routing.experts.shape, bool)  # dropless
         return y.astype(self.dtype), routing_stats(routing, keep, logits)

@@ -183,8 +183,9 @@ def _stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
     `full` and `dots` never save a slice (not a matmul output): sliced outside, the slice (picked
     by the tick's repeat index) is a per-tick residual of the tick loop, ticks x the chunk's
     weights; inside, the residual is the loop-invariant stack and the backward slices again (a
-    copy, not a FLOP). ZeRO-3's `none` policy saves everything but the gathered weights, slices
-    included, so it keeps them like the per-tick slice. Without a policy, slicing per unit
+    copy, not a FLOP). ZeRO-3's `none` policy saves everything but values named as gathered
+    weights, slices included, so it keeps them like the per-tick slice (and, in practice, the
+    gathered weights too: the named copy's producer is the gathered value; BUILD_NOTES.md). Without a policy, slicing per unit
     measured worse than the per-tick slice (BUILD_NOTES.md).
     """
     dot_general = model.dot_general

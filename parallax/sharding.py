@@ -313,33 +313,72 @@ def constrain_param(x: jax.Array, names: tuple[str | None, ...], dtype: Any = No
     Where parameters are stored (ZeRO-3: sharded over `data` on `embed`) and where they are
     computed with (never sharded over `data`) are separate tables, as in Levanter. Left to itself,
     GSPMD was seen keeping a ZeRO-3 weight sharded and all-reducing [B, T, F]-sized activations
-    over `data` instead of all-gathering the weight. The gathered copy is named so that remat
-    policies can refuse to keep it for the backward pass (it is gathered again there, the FSDP
-    pattern; keeping it would hold every layer's full weights and undo ZeRO-3's saving). With
-    storage equal to compute placement the pin would only add copies, so it is off.
+    over `data` instead of all-gathering the weight. With storage equal to compute placement the
+    pin would only add copies, so it is off.
 
     `dtype`: the caller's compute dtype. A float32 master weight is cast on its shard, before
     the gather (bfloat16: half the bytes on the wire); the result is the same as casting after.
-    The gradients are still reduced over data in float32 (`_gather_as`).
+    Plain autodiff of this cast leaves the weight gradient in `dtype` up to its reduction over
+    data: the matmul weights go through `layers.param_matmul` instead, whose custom VJP produces
+    it in `parallel.grad_reduce_dtype`. Used as it is for the norm scales and the MoE router
+    (float32) and the ragged MoE path's expert weights (gradients in `dtype`).
     """
-    if not _PIN_PARAMS.get():
-        return x if dtype is None else x.astype(dtype)
-    if dtype is None or jnp.dtype(dtype) == x.dtype:
-        return checkpoint_name(constrain(x, names), PARAM_COMPUTE)
-    return checkpoint_name(_gather_as(x, names, jnp.dtype(dtype)), PARAM_COMPUTE)
+    return param_placement(names).to_compute(x, dtype)
 
 
-def _gather_as(x: jax.Array, names: tuple[str | None, ...], dtype: Any) -> jax.Array:
-    """constrain(x.astype(dtype), names) with the cast pinned to the storage layout first
-    (ZeRO's `embed` over data): with only the compute layout pinned, the partitioner gathered
-    the float32 weight and cast after (seen in the HLO right after SPMD partitioning). The
-    gradients' reductions over data stay float32 all the same: the same 6 float32 all-reduces
-    over data with and without a custom VJP casting the cotangent back first, so none is used."""
+@dataclass(frozen=True)
+class ParamPlacement:
+    """Where one parameter is stored and where it is computed with, fixed when the forward pass
+    is traced. Hashable: a custom VJP takes it as a static argument.
+
+    Captured, not looked up: a custom VJP's backward rule is traced after the differentiated
+    function has returned, outside `logical_context`, where no mesh, rules or ZeRO-3 pin are set;
+    it re-enters the mesh captured here. `storage` and `compute` are None when nothing is pinned
+    (no ZeRO-3, or no mesh): then the parameter is only cast.
+    """
+
+    mesh: Any = None  # the abstract mesh of the forward pass
+    storage: P | None = None  # ZeRO-3 storage spec (embed over data), manual axes dropped
+    compute: P | None = None  # compute spec (the rules at the point of use), manual axes dropped
+
+    @property
+    def pinned(self) -> bool:
+        return self.storage is not None
+
+    def to_compute(self, x: jax.Array, dtype: Any = None) -> jax.Array:
+        """x cast to `dtype` and, ZeRO-3, gathered to its compute layout, the cast pinned to the
+        storage layout first: with only the compute layout pinned, the partitioner gathered the
+        float32 weight and cast after (seen in the HLO right after SPMD partitioning). The
+        gathered copy is named PARAM_COMPUTE for the remat policies (model.remat_policy)."""
+        y = x if dtype is None else x.astype(dtype)
+        if not self.pinned:
+            return y
+        with jax.sharding.use_abstract_mesh(self.mesh):
+            if y.dtype != x.dtype:
+                y = jax.lax.with_sharding_constraint(y, self.storage)
+            y = jax.lax.with_sharding_constraint(y, self.compute)
+        return checkpoint_name(y, PARAM_COMPUTE)
+
+    def to_storage(self, grad: jax.Array) -> jax.Array:
+        """A weight gradient (a partial sum over the batch axes) into the storage layout, in its
+        own dtype, through the compute layout as the transposes of `to_compute`'s constraints
+        take it: reduced over every batch axis, then sliced (on GPU/TPU: ZeRO-3's reduce-scatter
+        over data). Straight to the storage layout, the partitioner reduced over data and then
+        over `expert` on the slice (data x expert meshes), which the cost model does not count."""
+        if not self.pinned:
+            return grad
+        with jax.sharding.use_abstract_mesh(self.mesh):
+            grad = jax.lax.with_sharding_constraint(grad, self.compute)
+            return jax.lax.with_sharding_constraint(grad, self.storage)
+
+
+def param_placement(names: tuple[str | None, ...]) -> ParamPlacement:
+    """The placement of a parameter with logical `names` under the ambient context (see ParamPlacement)."""
     mesh = jax.sharding.get_abstract_mesh()
     rules = nn.get_logical_axis_rules()
-    y = x.astype(dtype)
-    if not mesh.empty and rules:
-        storage = logical_to_spec(names, validate_rules(_sharded_over_data(tuple(rules)), mesh),
-                                  where=f"parameter {names}")
-        y = jax.lax.with_sharding_constraint(y, drop_axes(storage, mesh.manual_axes))
-    return constrain(y, names)
+    if not _PIN_PARAMS.get() or mesh.empty or not rules:
+        return ParamPlacement()
+    where = f"parameter {names}"
+    storage = logical_to_spec(names, validate_rules(_sharded_over_data(tuple(rules)), mesh), where=where)
+    compute = logical_to_spec(names, validate_rules(rules, mesh), where=where)
+    return ParamPlacement(mesh, drop_axes(storage, mesh.manual_axes), drop_axes(compute, mesh.manual_axes))

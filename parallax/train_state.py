@@ -90,7 +90,8 @@ def _init_params(model: Transformer, cfg: Config, rng: jax.Array, schedule: Sche
 
 
 def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None = None) -> Layout:
-    model = model or Transformer(cfg.model, remat=cfg.parallel.remat, **transformer_dot_generals(cfg.fp8))
+    model = model or Transformer(cfg.model, remat=cfg.parallel.remat, grad_dtype=cfg.parallel.grad_reduce_dtype,
+                                 **transformer_dot_generals(cfg.fp8))
     tx = make_optimizer(cfg)
     rules = compute_rules(cfg.parallel)
     stages = mesh.shape[PIPE]

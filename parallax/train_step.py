@@ -144,22 +144,33 @@ def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch]
         value_and_grad = make_sharded_value_and_grad(layout, shards)
     schedule = make_schedule(cfg)
 
+    def update(state: TrainState, grads: Any, fp8_new: Any) -> tuple[Any, Any, Any]:
+        updates, opt_state = layout.tx.update(grads, state.opt_state, state.params)
+        return optax.apply_updates(state.params, updates), opt_state, overwrite(state.fp8, fp8_new)
+
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         (loss, (ce, stats)), (grads, fp8_new), *norms = value_and_grad(state.params, batch, state.fp8)
-        fp8 = overwrite(state.fp8, fp8_new)
-        updates, opt_state = layout.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
+        # NaN/inf guard: a non-finite loss or gradient, or an update that would leave a non-finite
+        # parameter, optimizer or FP8 value (an overflowing learning rate or Adam moment with a
+        # finite loss), skips the update (state as it was) but still counts the step, so the data
+        # position moves past the bad batch and no checkpoint is ever written from non-finite
+        # state. A select, not a cond: it fuses into the elementwise optimizer update.
+        checked = update(state, grads, fp8_new)
+        new_finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(checked) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)  # the training loss, router losses included
+        finite = finite & jnp.all(jnp.stack(new_finite)) if new_finite else finite
+        # Judging the new state before the select would hold the old and the new state at once
+        # (one more copy of parameters and optimizer state at the peak). So the check above only
+        # reduces, and the update that is kept is computed again behind a barrier (no CSE with the
+        # checked one): the optimizer's elementwise pass runs twice, the state is not copied.
+        state, grads, fp8_new, finite = jax.lax.optimization_barrier((state, grads, fp8_new, finite))
+        params, opt_state, fp8 = update(state, grads, fp8_new)
         # "loss" is the cross-entropy, comparable across dense and MoE runs; the router losses
         # that training also minimises are reported per layer beside it.
         metrics = {"loss": ce, "grad_norm": grad_norm, "lr": schedule(state.step), **fp8_metrics(fp8),
-                   **moe_metrics(stats, cfg.model.moe.every), **(norms[0] if norms else {})}
+                   **moe_metrics(stats, cfg.model.moe.every), **(norms[0] if norms else {}), "finite": finite}
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8)
-        # NaN/inf guard: a non-finite loss or gradient skips the update (state as it was) but still
-        # counts the step, so the data position moves past the bad batch. A select, not a cond:
-        # it fuses into the elementwise optimizer update and adds no collective.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)  # the training loss, router losses included
-        metrics["finite"] = finite
         kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state.replace(step=new_state.step))
         return kept, metrics
 

@@ -203,6 +203,8 @@ def test_sigkill_at_a_random_step_and_during_a_save(interrupted, reference, caps
     _assert_same_losses(wd, reference, range(1, STEPS + 1))
     _assert_same_params(wd, reference)
     assert not list((wd / "checkpoints").glob("*orbax-checkpoint-tmp*"))  # the interrupted save was cleaned up
+    # The records of the steps each kill lost were dropped at the resume: every step once, in order.
+    assert [json.loads(x)["step"] for x in (wd / "metrics.jsonl").read_text().splitlines()] == list(range(1, STEPS + 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,27 +252,70 @@ def test_a_damaged_checkpoint_is_one_line_on_the_stderr_of_a_real_run(reference,
     assert err[0].startswith("parallax: warning: checkpoint step") and "is damaged or partial" in err[0]
 
 
-def test_a_failed_save_is_one_line_exit_2_and_keeps_the_earlier_checkpoints(tmp_path, capsys, monkeypatch):
+# TensorStore's own report of a full disk (as a 16 MB tmpfs gave it): RESOURCE_EXHAUSTED, which
+# is not running out of memory.
+TENSORSTORE_FULL = ('RESOURCE_EXHAUSTED: Error writing local file "{d}/_sharding": Failed writing: '
+                    '"{d}/_sharding.__lock": Failed to write 14743 bytes to file 8: No space left on device '
+                    "[os_error_code='28']")
+
+
+@pytest.mark.parametrize("kind", ["oserror", "tensorstore"])
+def test_a_failed_save_is_one_line_exit_2_and_keeps_the_earlier_checkpoints(tmp_path, capsys, monkeypatch, kind):
     """A full disk at the second save (step 2*EVERY), which runs on the writer thread: the run
     stops at its next save with one line naming that step's directory, exit 2, and the first
     checkpoint stays restorable."""
     import orbax.checkpoint as ocp
 
     real = ocp.CheckpointManager.save
+    failed = (tmp_path / "run").absolute() / "checkpoints" / str(2 * EVERY)
 
     def save(self, step, *args, **kwargs):
         if step > EVERY:
-            raise OSError(28, "No space left on device")
+            if kind == "oserror":
+                raise OSError(28, "No space left on device")
+            raise ValueError(TENSORSTORE_FULL.format(d=f"{failed}.orbax-checkpoint-tmp/state"))
         return real(self, step, *args, **kwargs)
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", save)
     wd = tmp_path / "run"
     assert main(_argv(wd, "--set", f"train.steps={3 * EVERY}")) == 2
-    failed = wd.absolute() / "checkpoints" / str(2 * EVERY)
+    cause = ("OSError: [Errno 28] No space left on device" if kind == "oserror" else
+             f"No space left on device, writing {failed}.orbax-checkpoint-tmp/state/_sharding")
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"parallax: error: saving checkpoint {str(failed)!r} failed (OSError: [Errno 28] No space left on device); "
+        f"parallax: error: saving checkpoint {str(failed)!r} failed ({cause}); "
         "the checkpoints finalized before it are kept"]
     assert Checkpoints(wd).steps() == [EVERY]
+
+
+def test_a_failed_metrics_write_saves_first_and_the_rerun_loses_nothing(reference, tmp_path, capsys, monkeypatch):
+    """A full disk while writing step 6's record: half the line reached the file. It is cut back
+    (no partial JSON line), the state is saved with that record, and one line says so (exit 2);
+    the same command then resumes, writes the saved record, and ends as the reference run did,
+    each step once in metrics.jsonl."""
+    import parallax.metrics as metrics
+
+    real = metrics._write_all
+
+    def write_all(fd, data):
+        if b'{"step": 6,' in data:
+            real(fd, data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+        real(fd, data)
+
+    monkeypatch.setattr(metrics, "_write_all", write_all)
+    wd = tmp_path / "run"
+    assert main(_argv(wd)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"parallax: error: writing step 6 to {str(wd / 'metrics.jsonl')!r} "
+                                               "failed (No space left on device); checkpoint step 6 was saved"), err
+    text = (wd / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [json.loads(x)["step"] for x in text.splitlines()] == [1, 2, 3, 4, 5]
+    assert Checkpoints(wd).steps() == [4, 6]
+    monkeypatch.undo()
+    assert main(_argv(wd)) == 0
+    assert [json.loads(x)["step"] for x in (wd / "metrics.jsonl").read_text().splitlines()] == list(range(1, STEPS + 1))
+    _assert_same_losses(wd, reference, range(1, STEPS + 1))
+    _assert_same_params(wd, reference)
 
 
 @pytest.mark.parametrize("override, needles", [
@@ -331,6 +376,65 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, capsys):
     records = _records(wd)
     assert [records[s]["skipped_steps"] for s in (1, 2, 3, 4, 5)] == [0, 0, 1, 2, 3]
     assert max(records) == 5 and Checkpoints(wd).steps() == [1, 2]
+
+
+def test_an_update_that_overflows_is_skipped_and_never_saved(tmp_path, capsys):
+    """lr 3.4e38 (finite, in float32 too) and weight decay 1000: step 1 runs at lr 0 (warmup),
+    step 2's loss and gradients are finite but its update overflows the parameters. The guard
+    judges the new state, so steps 2-3 are skipped and stop the run (exit 3), and the checkpoint
+    the message calls the last good one is finite. (Before: step 2 was applied and saved, inf.)"""
+    wd = tmp_path / "run"
+    extra = ["train.lr=3.4e38", "optim.weight_decay=1000.0", "optim.warmup_steps=1", "checkpoint.every=1",
+             "train.max_bad_steps=2"]
+    assert main(["train", str(QUICKSTART), *_sets(*TINY, *extra), "--workdir", str(wd)]) == 3
+    err = capsys.readouterr().err
+    assert "2 consecutive steps (2-3)" in err and f"last good checkpoint is step 1 in {wd.absolute() / 'checkpoints'}" in err
+    records = _records(wd)
+    assert [records[s]["skipped_steps"] for s in (1, 2, 3)] == [0, 1, 2]
+    assert all(np.isfinite(records[s]["loss"]) for s in (1, 2, 3))  # the loss alone would not have caught it
+    assert Checkpoints(wd).steps() == [1]
+    cfg = apply_overrides(load_experiment(QUICKSTART), [*TINY, *extra])
+    state = Checkpoints(wd, cfg.checkpoint).restore(cfg, make_layout(cfg, make_mesh(cfg.mesh))).state
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+
+
+# ----------------------------------------------------------------------------------------------
+# Uneven pipeline stages: the stack is padded in memory, saved without the padding, and L is not
+# a multiple of `pipe` on disk (make_snapshot failed with IndivisibleError at the first save)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_uneven_stages_save_and_resume_exactly(tmp_path, schedule):
+    """3 layers on 2 stages: two steps, a save, two more steps; then the checkpoint restored (equal
+    to what was saved) and the same two steps again give the same losses and parameters."""
+    cfg = Config(mesh=MeshConfig(data=4, pipe=2), parallel=ParallelConfig(microbatches=2, schedule=schedule),
+                 model=dataclasses.replace(RESHARD_MODEL, n_layers=3), optim=OptimConfig(warmup_steps=1),
+                 train=TrainConfig(global_batch=8, seq_len=16, lr=1e-3, seed=3))
+    mesh = make_mesh(cfg.mesh)
+    layout = make_layout(cfg, mesh)
+    assert layout.schedule.padding == 1
+    state, step = init_state(cfg, layout), make_train_step(cfg, layout)
+    for i in range(2):
+        state, _ = step(state, _batch(mesh, i))
+    saved = [np.array(x) for x in jax.tree.leaves(state)]
+    with Checkpoints(tmp_path, cfg.checkpoint) as ckpt:
+        ckpt.open(layout)
+        ckpt.save(2, state, make_meta(cfg, 2, mesh))
+        losses = []
+        for i in (2, 3):
+            state, metrics = step(state, _batch(mesh, i))
+            losses.append(float(metrics["loss"]))
+    after = [np.array(x) for x in jax.tree.leaves(state)]
+    restored = Checkpoints(tmp_path, cfg.checkpoint).restore(cfg, layout)
+    assert restored.step == 2
+    for a, b in zip(jax.tree.leaves(restored.state), saved):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    state = restored.state
+    for i, want in zip((2, 3), losses):
+        state, metrics = step(state, _batch(mesh, i))
+        assert float(metrics["loss"]) == want
+    for a, b in zip(jax.tree.leaves(state), after):
+        np.testing.assert_array_equal(np.asarray(a), b)
 
 
 # ----------------------------------------------------------------------------------------------

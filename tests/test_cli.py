@@ -6,9 +6,11 @@ existing workdir exactly as it was. The error cases run `parallax.train.main` in
 simulated CPU devices set up by conftest; all of them fail before anything is compiled.
 """
 
+import contextlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -146,10 +148,40 @@ SET_CASES = [
     ("nice-out-of-range", ["checkpoint.background_nice=20"], ["checkpoint.background_nice", "0..19", "20"]),
 ]
 
+# Values that pass the type check but would poison a run (issue 18): every numeric field has a
+# range (config.FIELD_RANGES), floats must be finite, also in float32; the error says the range.
+RANGE_CASES = [
+    ("lr-inf", ["train.lr=1e999"], ["train.lr", "finite", "> 0", "inf"]),
+    ("lr-inf-in-float32", ["train.lr=1e39"], ["train.lr", "float32", "1e+39"]),
+    ("lr-negative", ["train.lr=-0.001"], ["train.lr", "> 0", "-0.001"]),
+    ("b1-one", ["optim.b1=1.0"], ["optim.b1", "[0, 1)", "1.0"]),
+    ("b2-two", ["optim.b2=2.0"], ["optim.b2", "[0, 1)", "2.0"]),
+    ("eps-negative", ["optim.eps=-1.0"], ["optim.eps", "> 0", "-1.0"]),
+    ("eps-zero", ["optim.eps=0.0"], ["optim.eps", "> 0"]),
+    ("warmup-negative", ["optim.warmup_steps=-1"], ["optim.warmup_steps", "0..2147483647", "-1"]),
+    ("min-lr-ratio-above-1", ["optim.min_lr_ratio=1.5"], ["optim.min_lr_ratio", "[0, 1]", "1.5"]),
+    ("weight-decay-negative", ["optim.weight_decay=-0.1"], ["optim.weight_decay", ">= 0"]),
+    ("clip-norm-inf", ["optim.clip_norm=1e999"], ["optim.clip_norm", "finite"]),
+    ("rope-theta-negative", ["model.rope_theta=-10000.0"], ["model.rope_theta", "> 0", "-10000.0"]),
+    ("rope-theta-zero", ["model.rope_theta=0.0"], ["model.rope_theta", "> 0"]),
+    ("norm-eps-zero", ["model.norm_eps=0.0"], ["model.norm_eps", "> 0"]),
+    ("init-std-negative", ["model.init_std=-0.02"], ["model.init_std", "> 0"]),
+    ("seed-negative", ["train.seed=-1"], ["train.seed", "0..2**63-1", "-1"]),
+    ("seed-beyond-64-bits", ["train.seed=18446744073709551616"], ["train.seed", "0..2**63-1", "18446744073709551616"]),
+    ("seed-huge", ["train.seed=" + "9" * 40], ["train.seed", "an integer of 133 bits"]),
+    ("steps-beyond-int32", ["train.steps=2147483648"], ["train.steps", "1..2147483647"]),
+    ("val-fraction-one", ["data.val_fraction=1.0"], ["data.val_fraction", "(0, 1)"]),
+    ("fp8-margin-negative", ["fp8.margin=-1.0"], ["fp8.margin", ">= 0"]),
+    ("capacity-factor-nan-ish", ["model.moe.num_experts=4", "model.moe.capacity_factor=-1e999"],
+     ["model.moe.capacity_factor", "finite"]),
+    ("microbatches-zero", ["parallel.microbatches=0"], ["parallel.microbatches", "positive"]),
+    ("every-beyond-int64", ["checkpoint.every=" + "1" + "0" * 30], ["checkpoint.every", "-2**63..2**63-1"]),
+]
+
 
 @pytest.mark.parametrize(
     "overrides, needles",
-    [pytest.param(o, n, id=i) for i, o, n in MESH_CASES + MODEL_CASES + SET_CASES],
+    [pytest.param(o, n, id=i) for i, o, n in MESH_CASES + MODEL_CASES + SET_CASES + RANGE_CASES],
 )
 def test_bad_config_is_one_line_exit_2_and_leaves_workdir(tmp_path, capsys, overrides, needles):
     wd = _make_workdir(tmp_path)
@@ -388,15 +420,19 @@ def _cli_env() -> dict[str, str]:
 
 def test_quickstart_smoke_subprocess(tmp_path):
     wd = tmp_path / "run"
+    # As a user runs it: no JAX_PLATFORMS. The test extra installs libtpu (compile-only targets),
+    # which probes for a TPU when JAX starts and prints its failure unless told there is none.
+    env = _cli_env()
+    env.pop("JAX_PLATFORMS")
     proc = subprocess.run(
         [sys.executable, "-m", "parallax", "train", "experiments/quickstart.py",
          "--set", "train.steps=4", "--set", "train.eval_every=2", "--workdir", str(wd)],
-        cwd=REPO, env=_cli_env(), capture_output=True, text=True, timeout=600,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     first = proc.stdout.splitlines()[0]
     assert "simulating 8 CPU devices" in first, first
-    assert "Traceback" not in proc.stderr
+    assert proc.stderr == "", proc.stderr  # no plugin, libtpu or library lines on the user's screen
 
     records = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
     keys = {"step", "loss", "tokens_per_s", "step_time_s", "tflops_per_device", "mfu", "lr", "grad_norm"}
@@ -426,3 +462,142 @@ def test_no_arguments_exits_2():
     assert proc.returncode == 2
     assert "usage: parallax" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 18: values that poison a run, checks before JAX starts, workdirs that cannot be one,
+# experiment files that misbehave. All in-process and before any compile unless said.
+
+
+def test_nan_from_an_experiment_file_is_refused(tmp_path, capsys):
+    path = _experiment(tmp_path, "nan_lr.py", (
+        "from parallax.config import Config, TrainConfig\n"
+        "def get_config():\n    return Config(train=TrainConfig(lr=float('nan')))\n"))
+    wd = _make_workdir(tmp_path)
+    before = _snapshot(tmp_path)
+    assert main(["train", str(path), "--workdir", str(wd)]) == 2
+    _assert_one_error_line(capsys.readouterr().err, "train.lr", "finite", "nan")
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    pytest.param(["mesh.data=100000", "mesh.tensor=1"], ["mesh.data=100000", "divisible"],
+                 id="mesh-far-larger-than-the-batch"),
+    pytest.param(["train.seed=" + "7" * 30], ["train.seed"], id="seed-beyond-64-bits"),
+])
+def test_config_errors_are_found_before_jax_starts(tmp_path, overrides, needles):
+    """In a fresh process: the error comes before JAX is imported (100,000 simulated devices
+    never answered) and before the workdir is created (~1 s, no compile)."""
+    wd = tmp_path / "wd"
+    code = ("import sys; from parallax.train import main; rc = main(sys.argv[1:]); "
+            "print('jax imported:', 'jax' in sys.modules); sys.exit(rc)")
+    env = {k: v for k, v in _cli_env().items()}
+    proc = subprocess.run([sys.executable, "-c", code, "train", str(QUICKSTART), *_sets(*TINY, *overrides),
+                           "--workdir", str(wd)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    _assert_one_error_line(proc.stderr, *needles)
+    assert proc.stdout.strip() == "jax imported: False", proc.stdout
+    assert not wd.exists()
+
+
+@contextlib.contextmanager
+def _read_only(path: Path):
+    """`path` read-only even for root: a read-only bind mount (root), else its mode bits."""
+    if os.geteuid() == 0:
+        if not shutil.which("mount") or subprocess.run(["mount", "--bind", str(path), str(path)]).returncode:
+            pytest.skip("root without mount: cannot make a path read-only")
+        try:
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(path), str(path)], check=True)
+            yield
+        finally:
+            subprocess.run(["umount", str(path)], check=True)
+    else:
+        mode = path.stat().st_mode
+        path.chmod(mode & ~0o222)
+        try:
+            yield
+        finally:
+            path.chmod(mode)
+
+
+@pytest.mark.parametrize("case", ["file", "dangling-symlink", "unwritable-parent", "read-only-metrics",
+                                  "read-only-checkpoints"])
+def test_a_workdir_that_cannot_be_one_is_one_line_before_jax(tmp_path, capsys, case):
+    wd, needles = tmp_path / "wd", []
+    ro = None
+    if case == "file":
+        wd.write_text("not a directory\n")
+        needles = [f"workdir {str(wd)!r} is a file"]
+    elif case == "dangling-symlink":
+        wd.symlink_to(tmp_path / "gone")
+        needles = ["is a dangling symlink", "gone"]
+    elif case == "unwritable-parent":
+        (tmp_path / "parent").mkdir()
+        wd, ro = tmp_path / "parent" / "wd", tmp_path / "parent"
+        needles = ["cannot be created", "is not writable"]
+    else:
+        wd = _make_workdir(tmp_path)
+        name = "metrics.jsonl" if case == "read-only-metrics" else "checkpoints"
+        (wd / "checkpoints").mkdir()
+        ro, needles = wd / name, [f"{name} is not writable"]
+    before = _snapshot(tmp_path)
+    with _read_only(ro) if ro is not None else contextlib.nullcontext():
+        rc = main(["train", str(QUICKSTART), *_sets(*TINY), "--workdir", str(wd)])
+    out, err = capsys.readouterr()
+    assert rc == 2
+    _assert_one_error_line(err, f"workdir {str(wd)!r}", *needles)
+    assert "no accelerator" not in out and "mesh:" not in out  # refused before the device set-up
+    assert _snapshot(tmp_path) == before
+
+
+def test_an_unreadable_data_file_is_one_line(tmp_path, capsys, monkeypatch):
+    """Permissions cannot stop root from reading: the read itself is made to fail."""
+    path = _token_file(tmp_path, "tokens.bin", _u16([i % 256 for i in range(4000)]))
+    real = np.memmap
+
+    def memmap(filename, *args, **kwargs):
+        if str(filename) == str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(filename, *args, **kwargs)
+
+    monkeypatch.setattr(np, "memmap", memmap)
+    wd = _make_workdir(tmp_path)
+    before = _snapshot(tmp_path)
+    assert main(["train", str(QUICKSTART), *_sets(*TINY, f"data.source={path}"), "--workdir", str(wd)]) == 2
+    _assert_one_error_line(capsys.readouterr().err, f"data file {str(path)!r}", "cannot be read", "Permission denied")
+    assert _snapshot(tmp_path) == before
+
+
+def test_an_empty_metrics_file_is_not_a_run(tmp_path, capsys):
+    """What a start that failed before its first step leaves (an out-of-memory compile, a signal):
+    the same command trains instead of refusing. One compile (~4 s)."""
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (wd / "metrics.jsonl").write_bytes(b"")
+    assert main(["train", str(QUICKSTART), *_sets(*TINY), "--workdir", str(wd), "--stop-at", "1"]) == 0
+    assert [json.loads(x)["step"] for x in (wd / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+@pytest.mark.parametrize("body, needles", [
+    pytest.param("import sys\nsys.exit(0)\n", ["called sys.exit(0) while being imported"], id="sys-exit-0-at-import"),
+    pytest.param("def get_config():\n    raise SystemExit(3)\n", ["get_config() called sys.exit(3)"], id="sys-exit-in-get-config"),
+])
+def test_an_experiment_that_exits_is_a_user_error(tmp_path, capsys, body, needles):
+    path = _experiment(tmp_path, "exits.py", body)
+    assert main(["train", str(path), "--workdir", str(tmp_path / "wd")]) == 2
+    _assert_one_error_line(capsys.readouterr().err, str(path), *needles)
+    assert not (tmp_path / "wd").exists()
+
+
+def test_an_experiment_path_that_is_a_directory(tmp_path, capsys):
+    (tmp_path / "experiments").mkdir()
+    assert main(["train", str(tmp_path / "experiments"), "--workdir", str(tmp_path / "wd")]) == 2
+    _assert_one_error_line(capsys.readouterr().err, str(tmp_path / "experiments"), "is a directory")
+
+
+@pytest.mark.parametrize("name", ["../escaped", "a/b", "..", "/tmp/abs", "."])
+def test_a_name_that_would_leave_runs_is_refused(tmp_path, capsys, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", str(QUICKSTART), *_sets(*TINY, f"name={name}")]) == 2
+    _assert_one_error_line(capsys.readouterr().err, "name:", repr(name), "--workdir")
+    assert list(tmp_path.iterdir()) == []  # no runs/ directory, nothing anywhere
