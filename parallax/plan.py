@@ -339,12 +339,17 @@ def noise_scale_from(workdir: str) -> float:
     path = Path(workdir) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"--noise-scale-from {workdir!r}: no metrics.jsonl there")
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise UserError(f"--noise-scale-from {workdir!r}: cannot read {path}: {e.strerror or e}") from e
     values = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in lines:
         try:
-            value = json.loads(line).get("noise_scale") if line.strip() else None
-        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+            record = json.loads(line) if line.strip() else None
+        except ValueError:  # a partial last line (a kill mid-write) or bytes that are not UTF-8: not a record
             continue
+        value = record.get("noise_scale") if isinstance(record, dict) else None
         if isinstance(value, (int, float)) and value > 0:
             values.append(float(value))
     if not values:

@@ -21,6 +21,7 @@ from parallax.audit import collectives
 from parallax.config import (Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig,
                              ParallelConfig, TrainConfig, validate)
 from parallax.mesh import make_mesh
+from parallax.plan import noise_scale_from
 from parallax.train import main
 from parallax.train_state import init_state, make_layout
 from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
@@ -190,3 +191,11 @@ def test_cli_refusal_is_one_line_exit_2(tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("parallax: error: train.noise_scale"), lines
     assert not wd.exists()
+
+
+def test_noise_scale_from_skips_lines_that_are_not_records(tmp_path):
+    """A damaged metrics.jsonl (bytes that are not UTF-8, a partial line, a non-object line) still
+    gives the last value a whole record logged; before 2026-12-01 the non-UTF-8 line raised."""
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "noise_scale": 12.5}\n\xff\xfe\x00 damaged\n[1, 2]\n'
+                                            b'{"step": 2, "noise_scale": 14.0}\n{"step": 3, "noise')
+    assert noise_scale_from(str(tmp_path)) == 14.0

@@ -312,3 +312,36 @@ def test_a_full_disk_is_one_line_loses_nothing_and_the_rerun_resumes(lone, cache
             np.testing.assert_array_equal(a, b)
     finally:
         subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+def test_out_of_memory_is_one_line_and_the_rerun_is_not_refused(tmp_path, capsys, monkeypatch):
+    """XLA:CPU does not run out of memory on demand, so the step raises what XLA raises when a
+    buffer does not fit: one line saying what to reduce, exit 2, no traceback. The metrics file
+    that start left behind holds no record, so the same command then trains (before 2026-12-01:
+    an out-of-memory traceback, and an empty metrics.jsonl that made the rerun refuse)."""
+    import parallax.train_step as train_step
+    from parallax.train import main
+
+    real = train_step.make_train_step
+
+    class TooBig:  # compiles like the real step; running it fails as an allocation would
+        def __init__(self, cfg, layout):
+            self.real = real(cfg, layout)
+
+        def lower(self, *args):
+            self.real.lower(*args)  # the real trace: shapes and shardings are checked as before
+            return type("Lowered", (), {"compile": lambda _: self})()
+
+        def __call__(self, state, batch):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                                             "34359738368 bytes.")
+
+    monkeypatch.setattr(train_step, "make_train_step", TooBig)
+    args = ["train", str(QUICKSTART), "--workdir", str(tmp_path / "run"), *_sets(*TINY, "train.steps=2")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "out of memory" in err[0] and "train.seq_len" in err[0], err
+    assert not Checkpoints(tmp_path / "run").steps()
+    monkeypatch.setattr(train_step, "make_train_step", real)
+    assert main(args) == 0
+    assert [r["step"] for r in _records(tmp_path / "run")] == [1, 2]
