@@ -207,7 +207,9 @@ def _write_run_file(workdir: Path, cfg: Config) -> None:
 
 
 def _any_process(flag: bool) -> bool:
-    """Every process must stop at the same step (a signal may reach them at different ones)."""
+    """True on every process when `flag` is true on any: a collective, so every process calls it
+    at the same point (a signal may reach them at different steps; a directory listing may
+    differ in time). One process: `flag` itself."""
     import jax
 
     if jax.process_count() == 1:
@@ -290,7 +292,12 @@ def _run(cfg: Config, workdir: Path, overwrite: bool, fresh: bool, stop_at: int 
     restored = checkpoints.restore(cfg, layout) if saved_steps else None
     workdir.mkdir(parents=True, exist_ok=True)  # only now: every user input has been checked
     _claim(lock, workdir, lead, create=True)
-    if checkpoints.steps() != saved_steps:  # another run saved here before this one held the lock
+    # Another run may have saved here before this one held the lock. The collective also keeps
+    # process 0 from creating `checkpoints/` (in `checkpoints.open` below) before every process
+    # has listed it: a process listing it later would find the new directory and open an Orbax
+    # reader, whose barriers the others never join ("sync_global_devices name mismatch", seen in
+    # CI with two processes).
+    if _any_process(checkpoints.steps() != saved_steps):
         saved_steps = checkpoints.steps()
         restored = checkpoints.restore(cfg, layout) if saved_steps else None
     again = _check_workdir(workdir, cfg, overwrite, fresh, saved_steps)  # and its records, now under the lock
