@@ -56,13 +56,13 @@ if "jax" not in sys.modules and not any(p in os.environ.get("JAX_PLATFORMS", "")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from parallax.build import build  # noqa: E402
 from parallax.checkpoint import Checkpoints, make_meta  # noqa: E402
 from parallax.config import CheckpointConfig, MeshConfig, ModelConfig, load_experiment  # noqa: E402
 from parallax.data import make_global_batch, open_data  # noqa: E402
-from parallax.mesh import describe, make_mesh  # noqa: E402
+from parallax.mesh import describe  # noqa: E402
 from parallax.model import count_params  # noqa: E402
-from parallax.train_state import init_state, make_layout  # noqa: E402
-from parallax.train_step import batch_sharding, make_train_step  # noqa: E402
+from parallax.train_state import init_state  # noqa: E402
 
 STALL_TARGET = 0.10
 QUICKSTART = Path(__file__).resolve().parent / "quickstart.py"
@@ -102,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     round_steps = args.round_steps or (4 if args.tiny else 8)
 
     cfg = make_config(args.tiny, args.nice)
-    mesh = make_mesh(cfg.mesh)
-    layout = make_layout(cfg, mesh)
+    built = build(cfg)
+    mesh, layout = built.mesh, built.layout
     state = init_state(cfg, layout)
     train_data, _ = open_data(cfg)
-    bsh = batch_sharding(mesh)
+    bsh = built.batch_sharding
     batches = [make_global_batch(train_data, i, bsh) for i in range(4)]
-    step_fn = make_train_step(cfg, layout)
+    step_fn = built.train_step()
     print(f"model: {count_params(cfg.model)['total']:,} params; mesh {describe(mesh)}; ZeRO-{cfg.parallel.zero}")
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_"))
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     restore = {}
     for name, mesh_cfg in (("same_mesh", cfg.mesh), ("data8", MeshConfig(data=8))):
         target_cfg = dataclasses.replace(cfg, mesh=mesh_cfg)
-        target_layout = make_layout(target_cfg, make_mesh(mesh_cfg))
+        target_layout = build(target_cfg).layout
         times = []
         for _ in range(3):
             t0 = time.perf_counter()

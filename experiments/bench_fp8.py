@@ -41,13 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from parallax.build import build
 from parallax.config import Config, Fp8Config, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from parallax.fp8 import FP8_COLLECTION, Fp8DotGeneral
-from parallax.mesh import available_devices, make_mesh
+from parallax.mesh import available_devices
 from parallax.metrics import mfu, peak_flops
 from parallax.model import count_params, flops_per_token
-from parallax.train_state import init_state, make_layout
-from parallax.train_step import batch_sharding, make_train_step
+from parallax.train_state import init_state
 
 SPEEDUP_TARGET = 1.3
 MIN_FP8_GEMMS = 12  # 4 matmuls per block x (forward, input gradient, weight gradient)
@@ -70,13 +70,13 @@ def make_config(size: str, fp8: bool) -> Config:
 
 
 def _setup(cfg: Config, device):
-    mesh = make_mesh(cfg.mesh, devices=[device])
-    layout = make_layout(cfg, mesh)
+    built = build(cfg, devices=[device])
+    mesh, layout = built.mesh, built.layout
     state = init_state(cfg, layout)
     b, t, v = cfg.train.global_batch, cfg.train.seq_len, cfg.model.vocab_size
     tokens = np.asarray(jax.random.randint(jax.random.key(1), (b, t + 1), 0, v, jnp.int32))
-    batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, batch_sharding(mesh))
-    return mesh, layout, state, batch, make_train_step(cfg, layout)
+    batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, built.batch_sharding)
+    return mesh, layout, state, batch, built.train_step()
 
 
 # ----------------------------------------------------------------------------------------------

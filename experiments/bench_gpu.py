@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.worker_out).write_text(json.dumps(result, default=float))
         return 0
 
-    from parallax.train import has_accelerator  # does not import JAX
+    from parallax.distributed import has_accelerator  # does not import JAX
 
     env = dict(os.environ)
     if not args.tiny and not has_accelerator():

@@ -36,11 +36,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from parallax.audit import collectives  # noqa: E402
+from parallax.build import build  # noqa: E402
 from parallax.config import Config, load_experiment, stack_length  # noqa: E402
 from parallax.data import make_global_batch, open_data  # noqa: E402
 from parallax.mesh import make_mesh  # noqa: E402
-from parallax.train_state import init_state, make_layout  # noqa: E402
-from parallax.train_step import batch_sharding, make_train_step  # noqa: E402
+from parallax.train_state import init_state  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SETTINGS = ("float32", "bfloat16")
@@ -78,12 +78,12 @@ def reduction_bytes(cfg: Config, state, batch, step) -> dict[str, int]:
 
 def run(grad: str, steps: int) -> dict:
     cfg = make_config(grad, steps)
-    mesh = make_mesh(cfg.mesh)
-    layout = make_layout(cfg, mesh)
+    built = build(cfg)
+    mesh, layout = built.mesh, built.layout
     state = init_state(cfg, layout)
     train, _ = open_data(cfg)
-    step = make_train_step(cfg, layout)
-    sharding = batch_sharding(mesh)
+    step = built.train_step()
+    sharding = built.batch_sharding
     nbytes = reduction_bytes(cfg, state, make_global_batch(train, 0, sharding), step)
     losses, started = [], time.perf_counter()
     for i in range(steps):

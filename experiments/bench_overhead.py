@@ -57,12 +57,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from parallax.build import build
 from parallax.config import Config, MeshConfig, ModelConfig, OptimConfig, TrainConfig
-from parallax.mesh import available_devices, make_mesh
+from parallax.mesh import available_devices
 from parallax.model import Transformer, count_params, flops_per_token
 from parallax.optim import make_optimizer
-from parallax.train_state import init_state, make_layout
-from parallax.train_step import batch_sharding, make_train_step
+from parallax.train_state import init_state
 
 STEP_TARGET = 1.03
 COMPILE_TARGET = 1.5
@@ -158,16 +158,16 @@ def paired_ratio(a: list[float], b: list[float]) -> float:
 def bench_step(cfg: Config, rounds: int, steps: int, check: bool = True) -> dict:
     """Time the parallax step against the plain step on the same params and batch."""
     device = available_devices(1)[0]
-    mesh = make_mesh(cfg.mesh, devices=[device])
-    layout = make_layout(cfg, mesh)
+    built = build(cfg, devices=[device])
+    mesh, layout = built.mesh, built.layout
     state = init_state(cfg, layout)
-    par_step = make_train_step(cfg, layout)
+    par_step = built.train_step()
     plain_step = make_plain_step(cfg)
 
     b, t, v = cfg.train.global_batch, cfg.train.seq_len, cfg.model.vocab_size
     tokens = np.asarray(jax.random.randint(jax.random.key(1), (b, t + 1), 0, v, jnp.int32))
     host_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}  # [B, T] each
-    par_batch = jax.device_put(host_batch, batch_sharding(mesh))
+    par_batch = jax.device_put(host_batch, built.batch_sharding)
     plain_batch = jax.device_put(host_batch, device)
 
     # Same starting point: copy before the parallax step donates its state.
@@ -245,18 +245,12 @@ def compile_seconds(cfg: Config) -> dict:
     """(lower, compile) wall seconds and process-CPU seconds of the parallax step, cold."""
     jax.clear_caches()  # so this is never a cache hit of an earlier repetition
     device = available_devices(1)[0]
-    mesh = make_mesh(cfg.mesh, devices=[device])
-    layout = make_layout(cfg, mesh)  # a fresh Transformer each time
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        layout.abstract_state, layout.state_shardings,
-    )
-    b, t = cfg.train.global_batch, cfg.train.seq_len
-    tok = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=batch_sharding(mesh))
-    step = make_train_step(cfg, layout)
-    with jax.set_mesh(mesh):
+    built = build(cfg, devices=[device])  # a fresh Transformer each time
+    abstract, batch = built.abstract_state(), built.abstract_batch()
+    step = built.train_step()
+    with jax.set_mesh(built.mesh):
         c0, t0 = time.process_time(), time.perf_counter()
-        lowered = jitted(step).lower(abstract, {"inputs": tok, "targets": tok})
+        lowered = jitted(step).lower(abstract, batch)
         t1 = time.perf_counter()
         lowered.compile()
         t2, c2 = time.perf_counter(), time.process_time()

@@ -86,15 +86,15 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from parallax.build import build  # noqa: E402
 from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from parallax.mesh import describe, make_mesh  # noqa: E402
 from parallax.model import count_params  # noqa: E402
-from parallax.pipeline import Schedule  # noqa: E402
-from parallax.train_state import init_state, make_layout  # noqa: E402
-from parallax.train_step import batch_sharding, make_train_step  # noqa: E402
+from parallax.parallelism import Schedule  # noqa: E402
+from parallax.train_state import init_state  # noqa: E402
+from parallax.train_step import batch_sharding  # noqa: E402
 
 DATA, PIPE = 2, 4
 MEMORY_TARGET = 0.5
@@ -136,18 +136,14 @@ def make_config(tiny: bool, case: Case, m: int, rows: int) -> Config:
     )
 
 
-def compile_step(cfg: Config, mesh: jax.sharding.Mesh):
-    """(layout, compiled train step, compile seconds), lowered against the abstract state and batch."""
-    layout = make_layout(cfg, mesh)
-    step = make_train_step(cfg, layout)
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        layout.abstract_state, layout.state_shardings,
-    )
-    tok = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len), jnp.int32, sharding=batch_sharding(mesh))
+def compile_step(cfg: Config):
+    """(layout, compiled train step, compile seconds), lowered against the abstract state and batch
+    on `cfg`'s mesh (data x pipe, the same mesh as main's)."""
+    built = build(cfg)
+    step, abstract, batch = built.train_step(), built.abstract_state(), built.abstract_batch()
     t0 = time.perf_counter()
-    compiled = step.lower(abstract, {"inputs": tok, "targets": tok}).compile()
-    return layout, compiled, time.perf_counter() - t0
+    compiled = step.lower(abstract, batch).compile()
+    return built.layout, compiled, time.perf_counter() - t0
 
 
 def memory_figures(compiled) -> dict | None:
@@ -183,7 +179,7 @@ def bench_memory(tiny: bool, rows: int, mesh) -> dict:
         if tiny and case.label == "circular_r2_remat_full":  # a smoke run: one circular case is enough
             continue
         cfg = make_config(tiny, case, MEMORY_M, rows)
-        _, compiled, seconds = compile_step(cfg, mesh)
+        _, compiled, seconds = compile_step(cfg)
         mem = memory_figures(compiled)
         out[case.label] = {"memory": mem, "compile_s": seconds}
         if mem is None:
@@ -221,7 +217,7 @@ def bench_bubble(tiny: bool, rows: int, ms: list[int], mesh, warmup: int, rounds
     for case in BUBBLE_CASES:
         for m in ms:
             cfg = make_config(tiny, case, m, rows)
-            layout, compiled, seconds = compile_step(cfg, mesh)
+            layout, compiled, seconds = compile_step(cfg)
             if host_state is None:
                 host_state = jax.device_get(init_state(cfg, layout))
             if case.label not in states:

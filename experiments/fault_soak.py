@@ -163,13 +163,12 @@ def main() -> int:
     import jax
     import numpy as np
 
+    from parallax.build import build
     from parallax.checkpoint import Checkpoints
     from parallax.config import apply_overrides, load_experiment
-    from parallax.mesh import make_mesh
-    from parallax.train_state import make_layout
 
     cfg = apply_overrides(load_experiment(QUICKSTART), overrides(args))
-    layout = make_layout(cfg, make_mesh(cfg.mesh))
+    layout = build(cfg).layout
     a, b = (Checkpoints(d, cfg.checkpoint).restore(cfg, layout) for d in (wd, ref))
     same = a.step == b.step and all(np.array_equal(np.asarray(x), np.asarray(y))
                                     for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)))

@@ -51,16 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import jax
-    import numpy as np
     from jax.experimental import topologies
 
     from parallax.audit import collectives
+    from parallax.build import build
     from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
     from parallax.fp8 import transformer_dot_generals
-    from parallax.mesh import make_mesh
     from parallax.model import Transformer
-    from parallax.train_state import make_layout
-    from parallax.train_step import batch_sharding, make_train_step
+    from parallax.sharding import param_placer
 
     devices = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=H100_SXM,
                                            topology="1x1x8").devices
@@ -72,14 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     for zero, grad in cases:
         cfg = Config(mesh=MeshConfig(data=4, tensor=2), model=model, train=TrainConfig(global_batch=b, seq_len=t),
                      parallel=ParallelConfig(zero=zero, remat="full", grad_reduce_dtype=grad or "bfloat16"))
-        mesh = make_mesh(cfg.mesh, devices)
-        net = Transformer(cfg.model, remat=cfg.parallel.remat, grad_dtype=grad, **transformer_dot_generals(cfg.fp8))
-        layout = make_layout(cfg, mesh, model=net)
-        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                             layout.abstract_state, layout.state_shardings)
-        batch = {k: jax.ShapeDtypeStruct((b, t), np.int32, sharding=batch_sharding(mesh)) for k in ("inputs", "targets")}
+        net = Transformer(cfg.model, remat=cfg.parallel.remat, grad_dtype=grad, placer=param_placer(cfg.parallel),
+                          **transformer_dot_generals(cfg.fp8))
+        built = build(cfg, devices, model=net)
+        mesh, state, batch = built.mesh, built.abstract_state(), built.abstract_batch()
         start = time.perf_counter()
-        hlo = make_train_step(cfg, layout).lower(state, batch).compile().as_text()
+        hlo = built.train_step().lower(state, batch).compile().as_text()
         seconds = time.perf_counter() - start
         results = {m.group(1): m.group(2) for m in map(_RESULT.match, hlo.splitlines()) if m}
         found = Counter()

@@ -1,6 +1,6 @@
 """`python -m parallax` is the `parallax` console script (pyproject.toml names `main` here).
 
-`parallax.train.main` does the work and returns the exit status; this wrapper owns the process:
+`parallax.cli.main` does the work and returns the exit status; this wrapper owns the process:
 - for `train`, SIGTERM/SIGINT are watched from before parallax's imports (a signal during
   start-up then gets its one line instead of a kill or a KeyboardInterrupt traceback), and the
   handlers stay until the process is gone (a late signal cannot turn a finished run's exit 0
@@ -23,10 +23,10 @@ def main() -> int:
 
         signals = StopSignals(restore=False).__enter__()
     from parallax.distributed import error_prefix
-    from parallax.train import main as train_main
+    from parallax.cli import main as cli_main
 
     try:
-        code = train_main(signals=signals)
+        code = cli_main(signals=signals)
     except Exception:  # an unexpected error: its traceback, then the same prompt exit
         traceback.print_exc()
         code = 1

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from parallax.layers import Dense, DotGeneralFactory
-from parallax.sharding import constrain
+from parallax.logical import ParamPlacer, constrain
 
 
 def apply_rope(x: jax.Array, theta: float) -> jax.Array:
@@ -37,6 +37,7 @@ class Attention(nn.Module):
     dtype: Any = jnp.float32
     dot_general: DotGeneralFactory = None
     grad_dtype: Any = "float32"  # weight gradients' dtype (layers.param_matmul)
+    placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -50,7 +51,7 @@ class Attention(nn.Module):
         # keeps each query head with its kv head on the same tensor shard.
         qkv = Dense(
             (k, g + 2, h), ("embed", "kv_heads", None, "kv"), init_std=self.init_std, dtype=self.dtype,
-            dot_general=self.dot_general, grad_dtype=self.grad_dtype, name="qkv",
+            dot_general=self.dot_general, grad_dtype=self.grad_dtype, placer=self.placer, name="qkv",
         )(x)  # [B, T, D] -> [B, T, K, G+2, H]
         b, t = x.shape[:2]
         q = qkv[:, :, :, :g].reshape(b, t, n, h)  # [B, T, K, G, H] -> [B, T, N, H], head = k * G + g
@@ -64,5 +65,5 @@ class Attention(nn.Module):
         out = constrain(out, heads_names)
         return Dense(
             (d_model,), ("heads", "kv", "embed"), contract=2, init_std=self.out_std, dtype=self.dtype,
-            dot_general=self.dot_general, grad_dtype=self.grad_dtype, name="out",
+            dot_general=self.dot_general, grad_dtype=self.grad_dtype, placer=self.placer, name="out",
         )(out)  # [B, T, N, H] -> [B, T, D]

@@ -267,25 +267,14 @@ def compile_step(cfg: Config, compiler_options: dict | None = None) -> CompiledS
         return _COMPILED[key]
     import time
 
-    import jax
+    from parallax.build import build
 
-    from parallax.config import validate
-    from parallax.mesh import make_mesh
-    from parallax.train_state import make_layout
-    from parallax.train_step import batch_sharding, make_train_step
-
-    mesh = make_mesh(cfg.mesh)
-    validate(cfg, dict(mesh.shape))
-    layout = make_layout(cfg, mesh)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         layout.abstract_state, layout.state_shardings)
-    shape = (cfg.train.global_batch, cfg.train.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=batch_sharding(mesh)) for k in ("inputs", "targets")}
+    built = build(cfg)
     started = time.perf_counter()
-    lowered = make_train_step(cfg, layout).lower(state, batch)
+    lowered = built.train_step().lower(built.abstract_state(), built.abstract_batch())
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
-    step = CompiledStep(compiled.as_text(), _memory_stats(compiled), _cost_stats(compiled), dict(mesh.shape),
-                        mesh.devices.flat[0].platform, time.perf_counter() - started)
+    step = CompiledStep(compiled.as_text(), _memory_stats(compiled), _cost_stats(compiled), dict(built.mesh.shape),
+                        built.platform, time.perf_counter() - started)
     _COMPILED[key] = step
     return step
 
@@ -471,11 +460,12 @@ def add_audit_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the audit as JSON")
 
 
-def audit_command(args, configure_host_devices) -> int:
-    """`configure_host_devices` (train.py) sizes the simulated CPU devices before JAX starts."""
+def audit_command(args) -> int:
+    """`configure_host_devices` sizes the simulated CPU devices before JAX starts, as for train."""
     import json
 
     from parallax.config import apply_overrides, load_experiment
+    from parallax.distributed import configure_host_devices
 
     cfg = apply_overrides(load_experiment(args.experiment), args.set)
     line = configure_host_devices(cfg)

@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from parallax.config import CheckpointConfig, Config, UserError, flatten
 from parallax.mesh import describe
 from parallax.pipeline import to_layer_major, to_stages
-from parallax.sharding import entry_axes
+from parallax.logical import entry_axes
 from parallax.train_state import Layout, TrainState
 
 FORMAT = 1

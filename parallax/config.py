@@ -229,7 +229,8 @@ def flatten(cfg: Config) -> dict[str, typing.Any]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Validation that needs no devices (the mesh product is checked by mesh.make_mesh)
+# Validation of the fields themselves; the rules across fields and mesh axes are
+# parallelism.py's (the mesh product is checked by mesh.make_mesh)
 
 
 def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
@@ -265,7 +266,7 @@ def devices_needed(mesh: MeshConfig, default: int = 8) -> int:
 
 # The range of every numeric field, checked (with finiteness for every float) before anything
 # starts: (low, high, low excluded, high excluded), None for no bound. Cross-field and mesh
-# constraints follow in `validate`. Ints bounded by INT32 are sizes and step counts (the step
+# constraints follow in `parallelism.RULES`. Ints bounded by INT32 are sizes and step counts (the step
 # counter is int32); the seed is what jax.random.key accepts. Unlisted ints must fit in int64.
 INT32, INT64, FLOAT32_MAX = 2**31 - 1, 2**63 - 1, 3.4028234663852886e38
 _SIZE, _COUNT, _POS = (1, INT32, False, False), (0, INT32, False, False), (0.0, None, True, False)
@@ -315,177 +316,35 @@ def check_fields(cfg: Config) -> None:
             raise ConfigError(f"{key}: must be {_range_text(lo, hi, lo_open, hi_open)}, got {shown}")
 
 
-def validate(cfg: Config, sizes: dict[str, int]) -> None:
-    """Check every field's range, then the model, batch and parallel settings against resolved
-    mesh sizes."""
-    check_fields(cfg)
-    m, t, tr = cfg.model, sizes["tensor"], cfg.train
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}")
-    if (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model.d_model / model.n_heads = {m.d_model // m.n_heads} must be even (rotary)")
-    for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
-        if getattr(m, name) % t:
-            raise ConfigError(f"model.{name}={getattr(m, name)} must be divisible by mesh.tensor={t}")
-    if m.dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"model.dtype: must be 'float32' or 'bfloat16', got {m.dtype!r}")
-    if cfg.parallel.zero not in (0, 1, 3):
-        raise ConfigError(f"parallel.zero: must be 0, 1 or 3, got {cfg.parallel.zero}")
-    if cfg.parallel.zero and m.d_model % sizes["data"]:
-        raise ConfigError(
-            f"model.d_model={m.d_model} must be divisible by mesh.data={sizes['data']} "
-            f"for parallel.zero={cfg.parallel.zero} (states are sharded on the embed dimension)"
-        )
-    if cfg.parallel.remat not in ("none", "full", "dots"):
-        raise ConfigError(f"parallel.remat: must be 'none', 'full' or 'dots', got {cfg.parallel.remat!r}")
-    if cfg.parallel.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-        raise ConfigError(f"parallel.grad_reduce_dtype: must be one of {GRAD_REDUCE_DTYPES}, "
-                          f"got {cfg.parallel.grad_reduce_dtype!r}")
-    _validate_moe(cfg, sizes)
-    _validate_pipeline(cfg, sizes)
-    dp = sizes["data"] * sizes["expert"]
-    if tr.global_batch % dp:
-        raise ConfigError(
-            f"train.global_batch={tr.global_batch} must be divisible by mesh.data x mesh.expert = {dp}"
-        )
-    mb = cfg.parallel.microbatches
-    if mb > 1 and tr.global_batch % (mb * dp):
-        raise ConfigError(
-            f"train.global_batch={tr.global_batch} must be divisible by parallel.microbatches x mesh.data x "
-            f"mesh.expert = {mb} x {dp}"
-        )
-    if cfg.data.token_dtype not in ("uint16", "uint32"):
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def check_data(cfg: Config) -> None:
+    """The data settings against the model (the layout's rules are parallelism.py's): checked
+    before JAX starts and again where the data is opened (data.open_data)."""
+    if cfg.data.token_dtype not in TOKEN_DTYPES:
         raise ConfigError(f"data.token_dtype: must be 'uint16' or 'uint32', got {cfg.data.token_dtype!r}")
-    if cfg.data.source == "stdlib" and m.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 256 for data.source='stdlib' (bytes)")
-    _validate_fp8(cfg, sizes)
-    _validate_noise_scale(cfg, sizes)
-    _validate_sequence_parallel(cfg, sizes)
-
-
-def _validate_sequence_parallel(cfg: Config, sizes: dict[str, int]) -> None:
-    """parallel.sequence_parallel shards T over `tensor` between the tensor-parallel regions."""
-    t = sizes["tensor"]
-    if not cfg.parallel.sequence_parallel or t == 1:  # tensor=1: nothing to shard, a no-op
-        return
-    if cfg.train.seq_len % t:
-        raise ConfigError(f"parallel.sequence_parallel: train.seq_len={cfg.train.seq_len} must be divisible by "
-                          f"mesh.tensor={t} (the residual stream is sharded over tensor on T)")
-
-
-def _validate_noise_scale(cfg: Config, sizes: dict[str, int]) -> None:
-    """train.noise_scale needs two batch sizes: a batch shard's and the global batch's."""
-    if not cfg.train.noise_scale:
-        return
-    if sizes["pipe"] > 1 or cfg.parallel.microbatches > 1:  # the schedules compute gradients their own way
-        raise ConfigError(f"train.noise_scale: not with pipelining (mesh.pipe={sizes['pipe']}, parallel.microbatches="
-                          f"{cfg.parallel.microbatches}); use mesh.pipe=1 and parallel.microbatches=1")
-    if sizes["data"] * sizes["expert"] == 1:
-        raise ConfigError("train.noise_scale: needs mesh.data x mesh.expert > 1 (a batch shard smaller than the "
-                          "global batch is the second batch size)")
-    if sizes["expert"] > 1:  # the per-shard vmap cannot carry the expert all-to-all's shard_map
-        raise ConfigError(f"train.noise_scale: not with mesh.expert={sizes['expert']} (yet); use mesh.expert=1")
-    if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "ragged":
-        raise ConfigError("train.noise_scale: not with model.moe.dispatch='ragged' (yet); use dispatch=capacity")
-    if cfg.fp8.enabled:  # per-shard amaxes would change the quantisation of the full batch's tensors
-        raise ConfigError("train.noise_scale: not with fp8.enabled (per-shard gradients would quantise with "
-                          "per-shard amaxes)")
-
-
-GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
-FP8_COMPUTE_DTYPES = ("float32", "bfloat16")  # what parallax/fp8.py quantises from and returns
-
-
-def _validate_fp8(cfg: Config, sizes: dict[str, int]) -> None:
-    f = cfg.fp8
-    if f.recipe not in ("delayed", "current"):
-        raise ConfigError(f"fp8.recipe: must be 'delayed' or 'current', got {f.recipe!r}")
-    if f.logits and not f.enabled:
-        raise ConfigError("fp8.logits=True needs fp8.enabled=True (it would be silently ignored)")
-    if not f.enabled:
-        return
-    if cfg.model.dtype not in FP8_COMPUTE_DTYPES:
-        raise ConfigError(f"fp8.enabled: model.dtype={cfg.model.dtype!r} cannot be served (needs one of {FP8_COMPUTE_DTYPES})")
-    if (sizes["pipe"] > 1 or cfg.parallel.microbatches > 1) and cfg.parallel.schedule == "1f1b":
-        # 1F1B computes its own gradients; the FP8 state's "gradient" (its new value) is not
-        # threaded through its per-tick VJPs yet. GPipe and circular carry it (pipeline.py).
-        raise ConfigError("fp8.enabled: runs in the 'gpipe' and 'circular' pipeline schedules, "
-                          "not parallel.schedule='1f1b' (yet)")
-
-
-MOE_DISPATCH = ("capacity", "ragged")
+    if cfg.data.source == "stdlib" and cfg.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} must be >= 256 for data.source='stdlib' (bytes)")
 
 
 def expert_d_ff(m: ModelConfig) -> int:
     return m.moe.d_ff or m.d_ff
 
 
+def moe_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Slots per expert per group (moe.py: a group is a sequence of `tokens`); a token sends at
+    most one assignment to any expert, so `tokens` slots never drop anything: capacity_factor
+    <= 0 (dropless) gives every expert all of them. Pure Python: cost.py uses it too."""
+    if capacity_factor <= 0:
+        return tokens
+    return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts)))
+
+
 def stack_length(m: ModelConfig) -> int:
     """Length of the scanned block stack: one entry per block, or per group of `moe.every`
     blocks (the last one MoE) when `every` > 1."""
     return m.n_layers // m.moe.every if m.moe.num_experts and m.moe.every > 1 else m.n_layers
-
-
-def stage_padding(units: int, stages: int, repeats: int = 1) -> int | None:
-    """Uneven stages: identity slots that pad a stack of `units` to a multiple of P*R (at its end,
-    pipeline.to_stages); None when that would leave a stage with padding only."""
-    chunks = stages * repeats
-    padding = -units % chunks
-    return None if padding >= -(-units // chunks) * repeats else padding
-
-
-def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
-    e, m = cfg.model.moe, cfg.model
-    if not e.num_experts:
-        if sizes["expert"] != 1:
-            raise ConfigError(
-                f"mesh.expert={sizes['expert']} needs MoE layers: set model.moe.num_experts (a multiple of "
-                f"mesh.expert), or use mesh.expert=1"
-            )
-        return
-    if not 1 <= e.top_k <= e.num_experts:
-        raise ConfigError(f"model.moe.top_k={e.top_k} must be in 1..model.moe.num_experts={e.num_experts}")
-    if e.every < 1 or m.n_layers % e.every:
-        raise ConfigError(f"model.moe.every={e.every} must be >= 1 and divide model.n_layers={m.n_layers}")
-    if e.num_experts % sizes["expert"]:
-        raise ConfigError(f"model.moe.num_experts={e.num_experts} must be divisible by mesh.expert={sizes['expert']}")
-    if e.d_ff < 0 or expert_d_ff(m) % sizes["tensor"]:
-        raise ConfigError(f"model.moe.d_ff={e.d_ff} must be >= 0 (0: model.d_ff) with an expert hidden size "
-                          f"divisible by mesh.tensor={sizes['tensor']}")
-    if e.dispatch not in MOE_DISPATCH:
-        raise ConfigError(f"model.moe.dispatch: must be one of {MOE_DISPATCH}, got {e.dispatch!r}")
-    piped = sizes["pipe"] > 1 or cfg.parallel.microbatches > 1
-    if piped and cfg.parallel.schedule == "1f1b":
-        # 1F1B computes its own gradients and would need the router losses' cotangents per tick.
-        raise ConfigError("model.moe.num_experts: MoE layers run in the 'gpipe' and 'circular' pipeline schedules, "
-                          "not parallel.schedule='1f1b' (yet)")
-    if e.dispatch == "ragged" and e.capacity_factor > 0:
-        raise ConfigError("model.moe.dispatch='ragged' is dropless: set model.moe.capacity_factor=0 (or <= 0)")
-    if e.dispatch == "ragged" and cfg.fp8.enabled:  # ragged_dot takes no FP8 dot_general: refuse, not ignore
-        raise ConfigError("model.moe.dispatch='ragged' has no FP8 expert matmuls: use dispatch=capacity with fp8.enabled")
-
-
-def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
-    par, p = cfg.parallel, sizes["pipe"]
-    if par.schedule not in ("gpipe", "circular", "1f1b"):
-        raise ConfigError(f"parallel.schedule: must be 'gpipe', 'circular' or '1f1b', got {par.schedule!r}")
-    if par.schedule == "1f1b" and par.zero > 1:
-        raise ConfigError(f"parallel.zero={par.zero}: parallel.schedule='1f1b' supports ZeRO 0 and 1")
-    if par.repeats > 1 and par.schedule != "circular":
-        raise ConfigError(f"parallel.repeats={par.repeats} needs parallel.schedule='circular', got {par.schedule!r}")
-    if p > 1 and par.microbatches < p:
-        raise ConfigError(f"parallel.microbatches={par.microbatches} must be >= mesh.pipe={p}")
-    if par.schedule == "circular" and par.microbatches % p:
-        raise ConfigError(f"parallel.microbatches={par.microbatches} must be a multiple of mesh.pipe={p} (circular)")
-    units, chunks = stack_length(cfg.model), p * par.repeats
-    if stage_padding(units, p, par.repeats) is None:
-        what = f"model.n_layers={cfg.model.n_layers}"
-        if units != cfg.model.n_layers:
-            what = f"model.n_layers / model.moe.every = {units}"
-        raise ConfigError(f"{what} is too few for mesh.pipe x parallel.repeats = {p} x {par.repeats}: padding the "
-                          f"stack to a multiple of {chunks} would leave a pipeline stage with no layer")
 
 
 def default_workdir(cfg: Config) -> Path:

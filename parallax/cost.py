@@ -29,24 +29,20 @@ What it models is parallax's own program, not an idealised one:
   shards over `data` only (sharding.make_rules: `embed` -> data), never over `expert`.
 Byte figures follow audit.py: the result buffer of one execution on one device. XLA:CPU runs
 bfloat16 elementwise work and collectives in float32 (`platform='cpu'` models that).
+`collective_terms` is `tensor_terms + expert_terms + pipe_terms + data_terms`, each on one `Dims`;
+each family's docstring names the code it models and the implementation details it must follow.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from parallax.config import Config, ModelConfig, expert_d_ff
-
-SCHEDULES = ("gpipe", "circular", "1f1b")
-REMATS = ("none", "full", "dots")
-GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # config.GRAD_REDUCE_DTYPES, in this order
-GPIPE, CIRCULAR, ONE_F_ONE_B = range(3)
-NONE, FULL, DOTS = range(3)
+from parallax.config import Config, ModelConfig, expert_d_ff, moe_capacity
+from parallax.parallelism import CIRCULAR, DOTS, FULL, GPIPE, NONE, ONE_F_ONE_B, layout_fields, pipelined, ticks
 
 # XLA:CPU activation memory, read off 71 compiles (experiments/calibrate_cost.py: d_model, d_ff,
 # layers, heads, sequence, batch, vocab and tensor varied one at a time under each remat policy
@@ -79,7 +75,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class Grid:
-    """Layout fields, each an int or a numpy array (all broadcast together)."""
+    """Layout fields (parallelism.LAYOUT_FIELDS), each an int or a numpy array (all broadcast together)."""
 
     data: Any = 1
     tensor: Any = 1
@@ -87,18 +83,15 @@ class Grid:
     expert: Any = 1
     zero: Any = 0
     microbatches: Any = 1
-    schedule: Any = GPIPE  # index into SCHEDULES
+    schedule: Any = GPIPE  # index into parallelism.SCHEDULES
     repeats: Any = 1
-    remat: Any = NONE  # index into REMATS
+    remat: Any = NONE  # index into parallelism.REMATS
     sequence: Any = 0  # 1: sequence parallelism (the residual stream's T sharded over tensor)
-    grad_reduce: Any = 0  # index into GRAD_REDUCE_DTYPES (parallel.grad_reduce_dtype)
+    grad_reduce: Any = 0  # index into parallelism.GRAD_REDUCE_DTYPES (parallel.grad_reduce_dtype)
 
     @classmethod
     def of(cls, cfg: Config, sizes: dict[str, int]) -> Grid:
-        p = cfg.parallel
-        return cls(sizes["data"], sizes["tensor"], sizes["pipe"], sizes["expert"], p.zero, p.microbatches,
-                   SCHEDULES.index(p.schedule), p.repeats, REMATS.index(p.remat), int(p.sequence_parallel),
-                   GRAD_REDUCE_DTYPES.index(p.grad_reduce_dtype))
+        return cls(**layout_fields(cfg, sizes))  # the field names are parallelism.LAYOUT_FIELDS
 
     def pick(self, index: Any) -> Grid:
         return Grid(**{f.name: np.asarray(getattr(self, f.name))[index] if np.ndim(getattr(self, f.name)) else
@@ -121,14 +114,6 @@ class Term:
     @property
     def bytes_per_step(self) -> Any:
         return self.bytes * self.executions
-
-
-def moe_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
-    """moe.capacity without JAX (tests/test_cost_moe.py holds the two equal): slots per expert
-    per sequence; capacity_factor <= 0 (dropless) gives every expert all T slots."""
-    if capacity_factor <= 0:
-        return tokens
-    return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts)))
 
 
 class Dims:
@@ -154,9 +139,9 @@ class Dims:
         self.M = np.asarray(g.microbatches)
         self.r = np.asarray(g.repeats)
         self.sched, self.remat, self.zero = np.asarray(g.schedule), np.asarray(g.remat), np.asarray(g.zero)
-        self.piped = (p > 1) | (self.M > 1)
+        self.piped = pipelined(p, self.M)
         self.f1b = self.piped & (self.sched == ONE_F_ONE_B)
-        self.ticks = np.where(self.f1b, self.M + 2 * (p - 1), self.r * self.M + p - 1)
+        self.ticks = ticks(self.sched, p, self.M, self.r)
         self.rows = w.global_batch / self.dp  # rows per batch shard
         self.tok = self.rows * self.T  # tokens per batch shard
         # MoE (model.moe): E experts of hidden Fe, top-k, S shared experts, C slots per expert and sequence.
@@ -187,12 +172,13 @@ class Dims:
         self.embed_t = self.V * self.D / t
         self.head_t = 0 if m.tie_embeddings else self.D * self.V / t
         self.outer_t = self.embed_t + self.head_t + self.D
+        self.outer_arrays = 3 - int(m.tie_embeddings)  # embedding, head (untied), final norm
         # Gradient bytes on the wire over the batch axes: a matmul weight's in grad_reduce_dtype
         # (2 bytes for bfloat16 on GPU/TPU), the norm scales' and the router's in float32.
         # A pipeline stage's gradients are always float32 (see the module docstring).
         self.gb = np.where((np.asarray(g.grad_reduce) == 1) & (not self.cpu), 2, 4)
         self.gb_stage = np.where(self.piped, 4, self.gb)  # the block stack's matmul weights
-        router = self.moe * self.D * self.E
+        self.router = router = self.moe * self.D * self.E  # the MoE router's (float32) elements per unit
         self.unit_ne_bytes = self.gb_stage * (self.unit_ne - self.unit_norms - router) + 4 * (self.unit_norms + router)
         self.unit_ex_bytes = self.gb_stage * self.unit_ex
         self.params_t = self.Ldev * self.layer_t + self.outer_t  # tensor-, expert- and pipe-sharded
@@ -201,6 +187,34 @@ class Dims:
         # Sequence parallelism: the residual stream (and what is saved or sent of it) is [B/dp, T/t, D].
         self.sp = (np.asarray(g.sequence) != 0) & (t > 1)
         self.sp_t = np.where(self.sp, t, 1)
+        self._runs()
+
+    def _runs(self) -> None:
+        """How often the block stack runs in one step, and the buffers one call of it sees.
+
+        Unpipelined: L layers once; GPipe/circular: every tick runs a chunk (bubble ticks compute
+        too); 1F1B: conditional branches (lax.cond), M busy ticks of `ticks`, and the HLO counts
+        each branch on every tick (`static_scale`).
+
+        `halves` must follow pipeline.run_pipeline's `tick`, which runs a GPipe/circular tick as
+        two half-microbatches (twice the calls, half the bytes) when its rows (rows / M per batch
+        shard) are even and `split = not fp8.scales_each_use(model.dot_general)`. This model does
+        not see FP8: under the `current` recipe the pipeline keeps whole microbatches and
+        `halves` overcounts calls (same bytes per tick).
+        """
+        piped, f1b, M = self.piped, self.f1b, self.M
+        self.layers_run = np.where(piped, self.ticks * self.Lc, self.L)
+        self.busy_layers = np.where(f1b, M * self.Lc, self.layers_run)
+        self.units_run, self.busy_units = self.layers_run / self.unit, self.busy_layers / self.unit
+        self.units_dev = self.Ldev / self.unit  # units stored per device
+        self.static_scale = np.where(f1b, self.ticks / M, 1)
+        self.halves = np.where(piped & ~f1b & ((self.rows / M) % 2 == 0), 2, 1)
+        self.act_run = np.where(piped, self.act_m, self.act)  # one block call's [B/dp (/M), T, D]
+        self.slots_run = np.where(piped, self.slots / M, self.slots) / self.halves  # one MoE call's slots
+        # MoE layer calls per step, and those recomputed (any remat policy; 1F1B's stage vjp)
+        self.moe_calls = self.moe * self.busy_units * self.halves
+        self.moe_recalls = self.moe * np.where(f1b, M * self.Lc / self.unit,
+                                               np.where(self.remat != NONE, self.units_run, 0)) * self.halves
 
 
 def _axes(*names: str) -> tuple[str, ...]:
@@ -215,183 +229,278 @@ def _batch_axes(g: Grid) -> tuple[str, ...]:
     return ("data", "expert")
 
 
+class _Terms:
+    """Terms under construction, every array field broadcast to the grid's shape. A family that
+    is off for a layout (`on` False) keeps its term there with zero executions."""
+
+    def __init__(self, s: Dims):
+        self.one = np.ones_like(s.act)
+        self.terms: list[Term] = []
+
+    def add(self, axes, kind, what, nbytes, execs, on, overlap, static=None, group=1) -> None:
+        execs = np.where(on, execs, 0) * self.one
+        static = execs if static is None else np.where(on, static, 0) * self.one
+        self.terms.append(Term(axes, kind, what, nbytes * self.one, execs, static, overlap, group))
+
+    def partial_sum(self, s: Dims, what, nbytes, execs, on, static=None) -> None:
+        """The all-reduce of a [B, T, D] partial sum over tensor. Under sequence parallelism it
+        feeds the T-sharded residual: the partitioner emits all-reduce + slice of this device's T
+        shard, which the GPU and TPU compilers fuse into a reduce-scatter (result 1/t); XLA:CPU
+        has no such pass and keeps the all-reduce (its compiled steps are what the tests compare)."""
+        rs = s.sp & (not s.cpu)
+        self.add(("tensor",), "all-reduce", what, nbytes, execs, on & ~rs, "exposed", static, s.t)
+        self.add(("tensor",), "reduce-scatter", what, nbytes / s.t, execs, on & rs, "exposed", static, s.t)
+
+
 def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> list[Term]:
-    """Every collective family of one step, per device. Terms of size 0 are kept (zero bytes)."""
+    """Every collective family of one step, per device, family by family (tensor, expert, pipe,
+    data: the order audit.py and plan.py have always read). Terms of size 0 are kept (zero bytes)."""
     s = Dims(w, g, platform)
-    t, p, M, f1b, piped = s.t, s.p, s.M, s.f1b, s.piped
-    on_t, on_p, on_d = (t > 1), (p > 1), (s.dp > 1)
-    on_data, on_e = s.d > 1, s.ep > 1
-    batch_axes = _batch_axes(g)
-    full = s.remat == FULL
-    rows_f32 = s.tok * 4  # one float32 value per token
-    one = np.ones_like(s.act)
-    terms: list[Term] = []
+    return tensor_terms(s) + expert_terms(s) + pipe_terms(s) + data_terms(s)
 
-    def add(axes, kind, what, nbytes, execs, on, overlap, static=None, group=1):
-        execs = np.where(on, execs, 0) * one
-        static = execs if static is None else np.where(on, static, 0) * one
-        terms.append(Term(axes, kind, what, nbytes * one, execs, static, overlap, group))
 
-    # tensor: Megatron all-reduces. Non-pipelined: L layers once; GPipe/circular: every tick runs
-    # a chunk (bubble ticks compute too); 1F1B: conditional branches, M busy ticks of `ticks`.
-    layers_run = np.where(piped, s.ticks * s.Lc, s.L)
-    busy_layers = np.where(f1b, M * s.Lc, layers_run)
-    units_run, busy_units = layers_run / s.unit, busy_layers / s.unit
-    ar_bytes = np.where(piped, s.act_m, s.act)
-    # Per unit, forward and again backward: 2 per dense block; an MoE block all-reduces its
-    # attention output and (shared experts) the shared MLP's, plus the expert output below.
+def tensor_terms(s: Dims) -> list[Term]:
+    """Over `tensor`: the blocks' Megatron partial sums and sequence-parallel gathers, the MoE
+    experts' F-shard sums, and the vocab-parallel embedding and loss head."""
+    out = _Terms(s)
+    _block_tensor_terms(s, out)
+    _moe_tensor_terms(s, out)
+    _outer_tensor_terms(s, out)
+    return out.terms
+
+
+def _block_tensor_terms(s: Dims, out: _Terms) -> None:
+    """model.Block / model.BlockGroup under the scanned stack: the row-parallel output projections
+    (attention.Attention's, layers.MLP's wo) each end in a partial sum, forward and, for the input
+    gradient of the column-parallel one, backward. Sequence parallelism (model.Block's
+    `constrain(..., NORMED)` / `RESIDUAL`): each norm output is all-gathered before the
+    column-parallel matmuls (2 per block), the output cotangent gathered backward, and the norm
+    scales see only this device's tokens (their gradients are partial sums).
+
+    Must follow: what a remat policy recomputes (model.remat_policy under model.Transformer's
+    nn.remat: `full` recomputes the attention output, the block output being dead, and in a unit
+    of several blocks both all-reduces of every block but the last, whose outputs feed the next;
+    every recomputed block gathers its norm outputs again, under `dots` too, norms not being
+    dots); pipeline_1f1b.make_1f1b_value_and_grad's `backward`, which always recomputes the stage
+    forward inside its vjp (one all-reduce fewer when Lc == 1); Dims.halves and Dims.static_scale.
+    """
+    on_t, halves = s.t > 1, s.halves
+    # Per unit: 2 per dense block; an MoE block all-reduces its attention output and (shared
+    # experts) the shared MLP's; its expert output is _moe_tensor_terms'.
     per_unit = 2 * (s.unit - s.moe) + s.moe * (1 + int(s.S > 0))
-    # Recomputation: the attention output again (the block output is dead), and in a unit of
-    # several blocks both all-reduces of every block but the last, whose outputs feed the next;
-    # 1F1B always recomputes the stage forward inside its backward (one fewer when Lc == 1).
-    recompute = np.where(f1b, M * (2 * s.Lc - (s.Lc == 1)), np.where(full, units_run * (2 * s.unit - 1), 0))
-    static_scale = np.where(f1b, s.ticks / M, 1)
-    # GPipe/circular run each tick as two half-microbatches (pipeline.py): twice the ops, half the bytes.
-    halves = np.where(piped & ~f1b & ((s.rows / M) % 2 == 0), 2, 1)
-    # Sequence parallelism: each all-reduce of a [B, T, D] partial sum feeds the T-sharded residual.
-    # The partitioner emits it as an all-reduce plus a slice of this device's T shard; the GPU and
-    # TPU compilers fuse the pair into a reduce-scatter (result 1/t), XLA:CPU has no such pass and
-    # keeps the all-reduce (its compiled steps are what the tests compare). Before each
-    # column-parallel matmul the norm output is all-gathered (2 per block, attention and FFN); in
-    # the backward pass the output cotangent is gathered and the input gradient reduce-scattered.
-    sp, rs = s.sp, s.sp & (not s.cpu)
-
-    def partial_sum(what, nbytes, execs, on, static=None):
-        add(("tensor",), "all-reduce", what, nbytes, execs, on & ~rs, "exposed", static, t)
-        add(("tensor",), "reduce-scatter", what, nbytes / t, execs, on & rs, "exposed", static, t)
-
-    for what, n in (("block forward (2 per layer)", per_unit * busy_units),
-                    ("block backward (2 per layer)", per_unit * busy_units), ("block recomputation", recompute)):
-        partial_sum(what, ar_bytes / halves, n * halves, on_t, n * halves * static_scale)
-    # Every recomputed block gathers its norm outputs again, under `dots` too (norms are not dots).
-    gathers = 2 * busy_layers * halves
-    regathers = 2 * np.where(f1b, M * s.Lc, np.where(s.remat != NONE, layers_run, 0)) * halves
+    recompute = np.where(s.f1b, s.M * (2 * s.Lc - (s.Lc == 1)),
+                         np.where(s.remat == FULL, s.units_run * (2 * s.unit - 1), 0))
+    for what, n in (("block forward (2 per layer)", per_unit * s.busy_units),
+                    ("block backward (2 per layer)", per_unit * s.busy_units), ("block recomputation", recompute)):
+        out.partial_sum(s, what, s.act_run / halves, n * halves, on_t, n * halves * s.static_scale)
+    gathers = 2 * s.busy_layers * halves
+    regathers = 2 * np.where(s.f1b, s.M * s.Lc, np.where(s.remat != NONE, s.layers_run, 0)) * halves
     for what, n in (("sequence-parallel norm gathers forward (2 per layer)", gathers),
                     ("sequence-parallel cotangent gathers backward (2 per layer)", gathers),
                     ("sequence-parallel norm gathers recomputed", regathers)):
-        add(("tensor",), "all-gather", what, ar_bytes / halves, n, on_t & sp, "exposed", n * static_scale, t)
-    # Norm scales see only this device's tokens: their gradients are partial sums over tensor.
-    add(("tensor",), "all-reduce", "sequence-parallel norm-scale gradients", 4 * s.unit_norms, busy_units * halves,
-        on_t & sp, "exposed", busy_units * halves * static_scale, t)
-    # MoE: the expert output [E/ep, B/data, C, D] sums its F shards (forward) and so does the
-    # gradient of the expert input (backward); recomputed under any remat policy (`dots` keeps
-    # only matmuls without batch dimensions, and the expert matmuls are batched over E).
-    slot_bytes = np.where(piped, s.slots / M, s.slots) / halves
-    moe_units = s.moe * busy_units * halves
-    moe_recompute = s.moe * np.where(f1b, M * s.Lc / s.unit, np.where(s.remat != NONE, units_run, 0)) * halves
-    for what, n in (("MoE expert output forward", moe_units), ("MoE expert input gradient backward", moe_units),
-                    ("MoE expert output recomputation", moe_recompute)):
-        add(("tensor",), "all-reduce", what, slot_bytes, n, on_t, "exposed", n * static_scale, t)
-    partial_sum("embedding forward (vocab-parallel)", s.act, 1, on_t)
-    partial_sum("logits backward (vocab-parallel)", np.where(f1b, s.act_m, s.act), np.where(f1b, M, 1), on_t,
-                np.where(f1b, s.ticks, 1))
-    # Sequence parallelism: the loss head gathers the final norm's output (1F1B: per microbatch),
-    # the embedding's table gradient the cotangent of its output; the final norm's scale as above.
-    add(("tensor",), "all-gather", "sequence-parallel final-norm gather", np.where(f1b, s.act_m, s.act),
-        np.where(f1b, M, 1), on_t & sp, "exposed", np.where(f1b, s.ticks, 1), t)
-    add(("tensor",), "all-gather", "sequence-parallel embedding cotangent gather", s.act, 1, on_t & sp, "exposed", None, t)
-    add(("tensor",), "all-reduce", "sequence-parallel final-norm scale gradient", 4 * s.D, np.where(f1b, M, 1),
-        on_t & sp, "exposed", np.where(f1b, s.ticks, 1), t)
-    add(("tensor",), "all-reduce", "cross-entropy max, sum, target", np.where(f1b, rows_f32 / M, rows_f32),
-        np.where(f1b, 3 * M, 3), on_t, "exposed", np.where(f1b, 3 * s.ticks, 3), t)
+        out.add(("tensor",), "all-gather", what, s.act_run / halves, n, on_t & s.sp, "exposed", n * s.static_scale, s.t)
+    out.add(("tensor",), "all-reduce", "sequence-parallel norm-scale gradients", 4 * s.unit_norms,
+            s.busy_units * halves, on_t & s.sp, "exposed", s.busy_units * halves * s.static_scale, s.t)
 
-    # expert: dispatch and combine, one all-to-all each way per MoE layer, of one device's
-    # [B/(data expert), E, C, D] slots (capacity padding moves too); exposed: the expert matmuls
-    # need the dispatched slots and the combine needs the returned ones.
-    for what, n in (("MoE dispatch + combine forward (2 per MoE layer)", 2 * moe_units),
-                    ("MoE dispatch + combine backward (2 per MoE layer)", 2 * moe_units),
-                    ("MoE dispatch + combine recomputation", 2 * moe_recompute)):
-        add(("expert",), "all-to-all", what, slot_bytes, n, on_e, "exposed", n * static_scale, s.ep)
 
-    # pipe: the ring and the reductions around the stack.
-    send, sends = s.act_m / halves / s.sp_t, s.ticks * halves  # sequence parallelism: T/t of each
-    # Sends overlap compute where something is left to compute: GPipe's first half-microbatch
-    # behind the second, 1F1B's forward send behind the tick's backward; 1F1B's cotangent send
-    # comes after all of the tick's compute.
-    add(("pipe",), "collective-permute", "stage activations forward", send, sends, on_p, "tick", None, 2)
-    add(("pipe",), "collective-permute", "stage cotangents backward", send, sends, on_p & ~f1b, "tick", None, 2)
-    add(("pipe",), "collective-permute", "stage cotangents backward (1F1B)", send, sends, on_p & f1b, "exposed", None, 2)
-    add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act / s.sp_t, np.where(f1b, 1, 2), on_p,
-        "exposed", None, p)
-    add(("pipe",), "all-reduce", "head gradients (1F1B psum)", 4 * s.outer_t, 1, on_p & f1b, "exposed", None, p)
+def _moe_tensor_terms(s: Dims, out: _Terms) -> None:
+    """moe.MoE's expert matmuls (capacity dispatch), F sharded over tensor: the expert output
+    [E/ep, B/data, C, D] sums its F shards forward, and so does the expert input's gradient
+    backward. Recomputed under any remat policy: `dots` keeps only matmuls without batch
+    dimensions (model.remat_policy), and the expert matmuls are batched over E. Counts: Dims.moe_calls
+    and Dims.moe_recalls (per call Dims.slots_run)."""
+    for what, n in (("MoE expert output forward", s.moe_calls), ("MoE expert input gradient backward", s.moe_calls),
+                    ("MoE expert output recomputation", s.moe_recalls)):
+        out.add(("tensor",), "all-reduce", what, s.slots_run, n, s.t > 1, "exposed", n * s.static_scale, s.t)
 
-    # data: gradient reduction, ZeRO gathers. XLA:CPU all-reduces the gradients; on GPU/TPU the
-    # partitioner turns all-reduce + slice into a reduce-scatter when ZeRO shards the update
-    # (half the traffic; the result buffer is the 1/data shard).
-    dp = s.dp
-    grad_loop = ~piped
-    # A pipelined ZeRO-3 stage gathers its weights inside the shard_map: the transpose is a
-    # reduce-scatter on every platform.
-    scatter = (s.zero > 0) & (not s.cpu)
-    # ZeRO shards the update over data only, so with experts the partitioner reduces a non-expert
-    # gradient over data (full size, or reduce-scatter), then over expert on the 1/data slice it
-    # keeps (seen under ZeRO-1 on XLA:CPU; ZeRO-3 there keeps one (data, expert) all-reduce). Norm
-    # scales have no `embed` dimension (never ZeRO-sharded): one (data, expert) all-reduce.
-    split = on_data & on_e & ((s.zero == 1) | scatter) & ~piped
-    kinds = (("all-reduce", ~scatter, 1), ("reduce-scatter", scatter, dp))
-    for kind, on, shard in kinds:
-        add(batch_axes, kind, "layer gradients (in the backward loop)", s.unit_ne_bytes / shard, s.U,
-            on_d & on & grad_loop & ~split, "backward", None, dp)
-    for kind, on, shard in kinds:
-        add(("data",), kind, "MoE expert-weight gradients (data only, in the backward loop)",
-            s.unit_ex_bytes / np.where(shard > 1, s.d, 1), s.U, on_data & on & grad_loop, "backward", None, s.d)
-        add(("data",), kind, "layer gradients but norms, over data (ZeRO-1 with experts)",
-            (s.unit_ne_bytes - 4 * s.unit_norms) / np.where(shard > 1, s.d, 1), s.U, on & grad_loop & split, "backward",
-            None, s.d)
-    add(("expert",), "all-reduce", "layer gradients but norms, 1/data slice over expert (ZeRO-1 with experts)",
-        (s.unit_ne_bytes - 4 * s.unit_norms) / s.d, s.U, grad_loop & split, "backward", None, s.ep)
-    add(batch_axes, "all-reduce", "norm-scale gradients (ZeRO-1 with experts)", 4 * s.unit_norms, s.U,
-        grad_loop & split, "backward", None, dp)
-    # Pipelined: once after the tick loop; expert weights over `data` alone, as in the loop above.
-    # Under ZeRO-3 with experts the stage's weights enter the shard_map varying over (data,
-    # expert) and gathered over data: the transpose sums over expert (full size), then
-    # reduce-scatters over data (pipeline.run_pipeline; the same on every platform).
-    units_dev = s.Ldev / s.unit
-    zero3_e = piped & (s.zero == 3) & on_e
-    for kind, on in (("all-reduce", ~(scatter | (s.zero == 3))), ("reduce-scatter", scatter | (s.zero == 3))):
+
+def _outer_tensor_terms(s: Dims, out: _Terms) -> None:
+    """Outside the stack. layers.Embed: a one-hot matmul with `vocab` over tensor, one [B, T, D]
+    partial sum forward (model.Transformer.embed_tokens); the logits projection (layers.Dense, or
+    Embed.attend tied) one backward, for its input gradient; model.cross_entropy's log-softmax
+    over the vocab shards: 3 float32 [B, T] all-reduces (max, sum, target logit). Sequence
+    parallelism: model.Transformer.head gathers the final norm's output, the embedding's table
+    gradient the cotangent of its output, and the final norm's scale gradient is a partial sum.
+    1F1B runs the head per microbatch in a `lax.cond` (pipeline_1f1b), counted every tick."""
+    on_t, f1b, sp, t = s.t > 1, s.f1b, s.sp, s.t
+    per_head, head_static = np.where(f1b, s.M, 1), np.where(f1b, s.ticks, 1)
+    out.partial_sum(s, "embedding forward (vocab-parallel)", s.act, 1, on_t)
+    out.partial_sum(s, "logits backward (vocab-parallel)", np.where(f1b, s.act_m, s.act), per_head, on_t, head_static)
+    out.add(("tensor",), "all-gather", "sequence-parallel final-norm gather", np.where(f1b, s.act_m, s.act),
+            per_head, on_t & sp, "exposed", head_static, t)
+    out.add(("tensor",), "all-gather", "sequence-parallel embedding cotangent gather", s.act, 1, on_t & sp, "exposed",
+            None, t)
+    out.add(("tensor",), "all-reduce", "sequence-parallel final-norm scale gradient", 4 * s.D, per_head, on_t & sp,
+            "exposed", head_static, t)
+    rows_f32 = s.tok * 4  # one float32 value per token
+    out.add(("tensor",), "all-reduce", "cross-entropy max, sum, target", np.where(f1b, rows_f32 / s.M, rows_f32),
+            np.where(f1b, 3 * s.M, 3), on_t, "exposed", np.where(f1b, 3 * s.ticks, 3), t)
+
+
+def expert_terms(s: Dims) -> list[Term]:
+    """Over `expert`: moe.MoE's capacity path through expert_parallel.EXPERT_EXCHANGE, whose
+    `to_experts` / `from_experts` (_to_experts_local, _from_experts_local) are one all_to_all
+    each of one device's [B/(data expert), E, C, D] slots (capacity padding moves too), forward,
+    backward and when recomputed (Dims.moe_calls, Dims.moe_recalls). Exposed: the expert matmuls
+    need the dispatched slots and the combine needs the returned ones.
+
+    Must follow: the capacity dispatch only. `moe.dispatch='ragged'` (expert_parallel.make_ragged:
+    ragged_all_to_all plus small all_to_alls of counts and offsets) is not modelled; nor is the
+    gradient reduction over `expert`, which is data_terms'.
+    """
+    out = _Terms(s)
+    for what, n in (("MoE dispatch + combine forward (2 per MoE layer)", 2 * s.moe_calls),
+                    ("MoE dispatch + combine backward (2 per MoE layer)", 2 * s.moe_calls),
+                    ("MoE dispatch + combine recomputation", 2 * s.moe_recalls)):
+        out.add(("expert",), "all-to-all", what, s.slots_run, n, s.ep > 1, "exposed", n * s.static_scale, s.ep)
+    return out.terms
+
+
+def pipe_terms(s: Dims) -> list[Term]:
+    """Over `pipe`. GPipe/circular (pipeline.run_pipeline's `tick`): one ppermute round the ring
+    per half-microbatch (Dims.halves) each tick, and the same in the transpose; one psum of the
+    stack outputs (only the last stage wrote them) and its transpose. 1F1B
+    (pipeline_1f1b.make_1f1b_value_and_grad): one ppermute of activations and one of cotangents
+    per tick; psums of the input cotangents `dx_all` and of the head gradients `g_outer`.
+    Sequence parallelism: what is sent or summed of the residual stream is T/t of it.
+
+    Overlap: GPipe's first half-microbatch's send runs behind the second half's compute, and
+    1F1B's forward send behind the tick's backward; 1F1B's cotangent send comes after all of the
+    tick's compute.
+    """
+    out = _Terms(s)
+    on_p, f1b = s.p > 1, s.f1b
+    send, sends = s.act_m / s.halves / s.sp_t, s.ticks * s.halves
+    out.add(("pipe",), "collective-permute", "stage activations forward", send, sends, on_p, "tick", None, 2)
+    out.add(("pipe",), "collective-permute", "stage cotangents backward", send, sends, on_p & ~f1b, "tick", None, 2)
+    out.add(("pipe",), "collective-permute", "stage cotangents backward (1F1B)", send, sends, on_p & f1b, "exposed",
+            None, 2)
+    out.add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act / s.sp_t, np.where(f1b, 1, 2),
+            on_p, "exposed", None, s.p)
+    out.add(("pipe",), "all-reduce", "head gradients (1F1B psum)", 4 * s.outer_t, 1, on_p & f1b, "exposed", None, s.p)
+    return out.terms
+
+
+@dataclass(frozen=True)
+class _Reduction:
+    """How this layout reduces gradients over the batch axes (data_terms' helpers share it).
+
+    `kinds`: (kind, on, shard) for the all-reduce (XLA:CPU, or no ZeRO) and the reduce-scatter
+    the GPU/TPU partitioner makes of all-reduce + slice when ZeRO shards the update (result: the
+    1/shard slice). `split`: ZeRO shards the update over data only (sharding.make_rules: `embed`
+    -> data), so with experts the partitioner reduces a non-expert gradient over data (full size,
+    or reduce-scatter), then over expert on the 1/data slice it keeps (seen under ZeRO-1 on
+    XLA:CPU; ZeRO-3 there keeps one (data, expert) all-reduce: logical.ParamPlacement.to_storage
+    goes through the compute layout). Norm scales have no `embed` dimension (never ZeRO-sharded).
+    """
+
+    axes: tuple[str, ...]
+    kinds: tuple
+    scatter: Any
+    split: Any
+
+    @classmethod
+    def of(cls, s: Dims) -> _Reduction:
+        scatter = (s.zero > 0) & (not s.cpu)
+        split = (s.d > 1) & (s.ep > 1) & ((s.zero == 1) | scatter) & ~s.piped
+        return cls(_batch_axes(s.g), (("all-reduce", ~scatter, 1), ("reduce-scatter", scatter, s.dp)), scatter, split)
+
+
+def data_terms(s: Dims) -> list[Term]:
+    """Over the batch axes (data, expert): the gradient reductions and ZeRO's gathers. Gradient
+    bytes per element are Dims.gb / Dims.gb_stage (the dtype layers.param_matmul's custom VJP
+    produces them in) and float32 for norm scales and the router."""
+    out, r = _Terms(s), _Reduction.of(s)
+    _loop_grad_terms(s, r, out)
+    _stage_grad_terms(s, r, out)
+    _outer_grad_terms(s, r, out)
+    _zero_gather_terms(s, out)
+    return out.terms
+
+
+def _loop_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
+    """Unpipelined: each unit's weight gradients are reduced inside the scanned backward loop
+    (model.Transformer's nn.scan), per unit; expert weights (E/ep experts per device, already
+    sharded over expert) over `data` only. See _Reduction for the ZeRO-with-experts split."""
+    on_data, loop, split, dp = s.d > 1, ~s.piped, r.split, s.dp
+    for kind, on, shard in r.kinds:
+        out.add(r.axes, kind, "layer gradients (in the backward loop)", s.unit_ne_bytes / shard, s.U,
+                (dp > 1) & on & loop & ~split, "backward", None, dp)
+    no_norms = s.unit_ne_bytes - 4 * s.unit_norms
+    for kind, on, shard in r.kinds:
+        d_shard = np.where(shard > 1, s.d, 1)
+        out.add(("data",), kind, "MoE expert-weight gradients (data only, in the backward loop)",
+                s.unit_ex_bytes / d_shard, s.U, on_data & on & loop, "backward", None, s.d)
+        out.add(("data",), kind, "layer gradients but norms, over data (ZeRO-1 with experts)",
+                no_norms / d_shard, s.U, on & loop & split, "backward", None, s.d)
+    out.add(("expert",), "all-reduce", "layer gradients but norms, 1/data slice over expert (ZeRO-1 with experts)",
+            no_norms / s.d, s.U, loop & split, "backward", None, s.ep)
+    out.add(r.axes, "all-reduce", "norm-scale gradients (ZeRO-1 with experts)", 4 * s.unit_norms, s.U,
+            loop & split, "backward", None, dp)
+
+
+def _stage_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
+    """Pipelined (pipeline.run_pipeline): the stage weights enter the shard_map replicated over
+    the batch axes and marked varying once (`logical.vary`), so their gradients are reduced once, after
+    the tick loop, where the shard_map is transposed, as the float32 master's cotangent; expert
+    weights over `data` alone. ZeRO-3: `gather_zero3`'s all-gather over data transposes to a
+    reduce-scatter on every platform; with experts the transpose first sums over expert (full
+    size), then reduce-scatters over data. (1F1B: pipeline_1f1b's pmean of `g_chunk`.)"""
+    on_data, piped, dp, z3 = s.d > 1, s.piped, s.dp, s.zero == 3
+    zero3_e = piped & z3 & (s.ep > 1)
+    for kind, on in (("all-reduce", ~(r.scatter | z3)), ("reduce-scatter", r.scatter | z3)):
         scattered = kind == "reduce-scatter"
-        add(batch_axes, kind, "layer gradients (once, after the tick loop)",
-            4 * units_dev * s.unit_ne / (dp if scattered else 1), 1, on_d & on & piped & ~zero3_e, "exposed", None, dp)
-        add(("data",), kind, "MoE expert-weight gradients (once, after the tick loop; data only)",
-            4 * units_dev * s.unit_ex / (s.d if scattered else 1), 1, on_data & on & piped, "exposed", None, s.d)
-    add(("expert",), "all-reduce", "layer gradients but experts, over expert (pipelined ZeRO-3)",
-        4 * units_dev * s.unit_ne, 1, zero3_e, "exposed", None, s.ep)
-    add(("data",), "reduce-scatter", "layer gradients but experts, over data (pipelined ZeRO-3)",
-        4 * units_dev * s.unit_ne / s.d, 1, zero3_e & on_data, "exposed", None, s.d)
-    # 1F1B reduces the embedding twice: its (zero) head-side gradient inside, the real one outside.
-    outer_t = s.outer_t + np.where(f1b, s.embed_t, 0)
-    # The embedding and head gradients' bytes; 1F1B's head-side ones come out of its stage
-    # shard_map as float32 cotangents (seen compiling for TPU), the real embedding's does not.
+        out.add(r.axes, kind, "layer gradients (once, after the tick loop)",
+                4 * s.units_dev * s.unit_ne / (dp if scattered else 1), 1, (dp > 1) & on & piped & ~zero3_e, "exposed",
+                None, dp)
+        out.add(("data",), kind, "MoE expert-weight gradients (once, after the tick loop; data only)",
+                4 * s.units_dev * s.unit_ex / (s.d if scattered else 1), 1, on_data & on & piped, "exposed", None, s.d)
+    out.add(("expert",), "all-reduce", "layer gradients but experts, over expert (pipelined ZeRO-3)",
+            4 * s.units_dev * s.unit_ne, 1, zero3_e, "exposed", None, s.ep)
+    out.add(("data",), "reduce-scatter", "layer gradients but experts, over data (pipelined ZeRO-3)",
+            4 * s.units_dev * s.unit_ne / s.d, 1, zero3_e & on_data, "exposed", None, s.d)
+
+
+def _outer_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
+    """The embedding, head and final-norm gradients, once per step. 1F1B
+    (pipeline_1f1b.make_1f1b_value_and_grad) reduces the embedding twice: its (zero) head-side
+    gradient inside, as part of `g_outer`, which leaves the stage shard_map as float32 cotangents
+    (seen compiling for TPU), and the real one outside, in grad_reduce_dtype."""
+    f1b, dp, split = s.f1b, s.dp, r.split
     tables = np.where(f1b, s.gb * s.embed_t + 4 * (s.embed_t + s.head_t), s.gb * (s.embed_t + s.head_t))
-    for kind, on, shard in kinds:
-        add(batch_axes, kind, "embedding, head and final-norm gradients", (tables + 4 * s.D) / shard, 1,
-            on_d & on & ~split, "backward", None, dp)
-        add(("data",), kind, "embedding and head gradients over data (ZeRO-1 with experts)",
-            tables / np.where(shard > 1, s.d, 1), 1, on & split, "backward", None, s.d)
-    add(("expert",), "all-reduce", "embedding and head gradients, 1/data slice over expert (ZeRO-1 with experts)",
-        tables / s.d, 1, split, "backward", None, s.ep)
-    add(batch_axes, "all-reduce", "final-norm gradient (ZeRO-1 with experts)", 4 * s.D, 1, split, "backward", None, dp)
-    # One gather per parameter array, over data (ZeRO shards over data only).
-    z1, z3 = s.zero == 1, s.zero == 3
-    n_outer = 3 - int(w.model.tie_embeddings)
-    add(("data",), "all-gather", "ZeRO-1: updated parameters", 4 * s.params_t / (s.unit_arrays + n_outer),
-        s.unit_arrays + n_outer, on_data & z1, "exposed", None, s.d)
-    # ZeRO-3 outside the pipeline: per unit before use; the `none` policy keeps the gathered
-    # weights for the backward pass, a remat policy gathers them again there. Matmul weights
-    # are cast on their shard and gathered in the compute dtype (sharding.constrain_param; XLA:CPU
-    # promotes bfloat16 collectives to float32); norm scales and the router stay float32. The
-    # pipeline's stage gather (pipeline.run_pipeline) moves float32.
-    wb = 4 if (s.cpu or w.model.dtype == "float32") else 2
-    fp32_unit = s.unit_norms + s.moe * s.D * s.E
-    unit_gather = wb * (s.unit_t - fp32_unit) + 4 * fp32_unit
+    for kind, on, shard in r.kinds:
+        out.add(r.axes, kind, "embedding, head and final-norm gradients", (tables + 4 * s.D) / shard, 1,
+                (dp > 1) & on & ~split, "backward", None, dp)
+        out.add(("data",), kind, "embedding and head gradients over data (ZeRO-1 with experts)",
+                tables / np.where(shard > 1, s.d, 1), 1, on & split, "backward", None, s.d)
+    out.add(("expert",), "all-reduce", "embedding and head gradients, 1/data slice over expert (ZeRO-1 with experts)",
+            tables / s.d, 1, split, "backward", None, s.ep)
+    out.add(r.axes, "all-reduce", "final-norm gradient (ZeRO-1 with experts)", 4 * s.D, 1, split, "backward", None, dp)
+
+
+def _zero_gather_terms(s: Dims, out: _Terms) -> None:
+    """ZeRO's all-gathers, over data (ZeRO shards over data only), one per parameter array
+    (Dims.unit_arrays per unit, Dims.outer_arrays outside). ZeRO-1: the updated float32
+    parameters once. ZeRO-3 outside a pipeline: logical.ParamPlacement.to_compute, per unit
+    before use; matmul weights are cast on their shard and gathered in the compute dtype
+    (layers.param_matmul -> logical.constrain_param; Dims.c: XLA:CPU promotes bfloat16 collectives to
+    float32), norm scales and the router stay float32; the `none` policy keeps the gathered
+    weights for the backward pass, a remat policy gathers them again (model.remat_policy).
+    Pipelined ZeRO-3: pipeline.run_pipeline's `gather_zero3`, once per step, in float32."""
+    on_data, z1, z3, piped = s.d > 1, s.zero == 1, s.zero == 3, s.piped
+    n_outer = s.outer_arrays
+    out.add(("data",), "all-gather", "ZeRO-1: updated parameters", 4 * s.params_t / (s.unit_arrays + n_outer),
+            s.unit_arrays + n_outer, on_data & z1, "exposed", None, s.d)
+    fp32_unit = s.unit_norms + s.router
+    unit_gather = s.c * (s.unit_t - fp32_unit) + 4 * fp32_unit
     regather = np.where(s.remat == NONE, 1, 2)
-    add(("data",), "all-gather", "ZeRO-3: layer weights", unit_gather / s.unit_arrays, s.unit_arrays * s.U * regather,
-        on_data & z3 & ~piped, "compute", None, s.d)
-    add(("data",), "all-gather", "ZeRO-3: stage weights (once per step)", 4 * s.Ldev * s.layer_t / s.unit_arrays,
-        s.unit_arrays, on_data & z3 & piped, "exposed", None, s.d)
-    add(("data",), "all-gather", "ZeRO-3: embedding, head, final norm", (wb * (s.outer_t - s.D) + 4 * s.D) / n_outer,
-        n_outer, on_data & z3, "compute", None, s.d)
-    return terms
+    out.add(("data",), "all-gather", "ZeRO-3: layer weights", unit_gather / s.unit_arrays,
+            s.unit_arrays * s.U * regather, on_data & z3 & ~piped, "compute", None, s.d)
+    out.add(("data",), "all-gather", "ZeRO-3: stage weights (once per step)", 4 * s.Ldev * s.layer_t / s.unit_arrays,
+            s.unit_arrays, on_data & z3 & piped, "exposed", None, s.d)
+    outer_gather = s.c * (s.outer_t - s.D) + 4 * s.D
+    out.add(("data",), "all-gather", "ZeRO-3: embedding, head, final norm", outer_gather / n_outer, n_outer,
+            on_data & z3, "compute", None, s.d)
 
 
 def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla") -> dict[str, Any]:
@@ -442,7 +551,7 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # accumulators carried through the tick loop.
     plain_saved = s.L * (s.tok * saved_tok + saved_layer)
     # The circular schedule slices its chunk's weights per tick; without a remat policy the
-    # backward keeps each slice (pipeline._stage_fn).
+    # backward keeps each slice (pipeline.stage_fn).
     chunk_slices = np.where((s.sched == CIRCULAR) & (s.remat == NONE), 4 * s.Lc * s.layer_t, 0)
     gpipe_saved = s.ticks * (s.Lc * (tok_m * saved_tok + saved_layer) + chunk_slices)
     f1b_saved = (2 * s.p * tok_m * D * c + s.act) / sp_t + s.Lc * (tok_m * saved_tok + saved_layer) + 4 * s.params_t
@@ -451,7 +560,7 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # chunk of them inside a pipeline tick); a 1-layer chunk compiles without an inner loop and
     # its residuals are the working set itself.
     # The circular schedule under a remat policy slices each unit's weights inside its
-    # checkpoint (pipeline._stage_fn): one more unit's residuals are live (fitted on three
+    # checkpoint (pipeline.stage_fn): one more unit's residuals are live (fitted on three
     # compiles: L4/D48, L4/D96, L8/D48 on data 2 x tensor 2 x pipe 2, within 13%).
     sliced = (s.sched == CIRCULAR) & (s.r > 1) & (s.remat != NONE)
     work_tok = np.where(s.piped & ~s.f1b, (s.Lc / s.unit + sliced) * tok_m,

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from parallax.config import Config, UserError
+from parallax.config import Config, UserError, check_data
 
 
 class DataError(UserError):
@@ -197,6 +197,7 @@ def make_global_batch(batcher: Batcher, step: int, sharding: jax.sharding.Shardi
 
 def open_data(cfg: Config) -> tuple[Batcher, Batcher]:
     """(train, validation) batchers for `cfg.data.source`: 'stdlib' or a token file path."""
+    check_data(cfg)
     src, tr = cfg.data.source, cfg.train
     if src == "stdlib":
         train, val = stdlib_tokens()

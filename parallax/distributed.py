@@ -1,4 +1,5 @@
-"""Several processes, one program: `jax.distributed` set-up and the XLA overlap flags.
+"""Several processes, one program: `jax.distributed` set-up, the XLA overlap flags, and the devices
+JAX will find (an accelerator, or the simulated CPU devices a mesh needs).
 
 Everything here runs before JAX starts its backend (XLA reads its flags once, and
 `jax.distributed.initialize` must precede the first computation), and nothing here imports JAX at
@@ -35,7 +36,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallax.config import UserError
+from parallax.config import Config, UserError, devices_needed
 
 ENV_COORDINATOR, ENV_NUM, ENV_ID = "PARALLAX_COORDINATOR", "PARALLAX_NUM_PROCESSES", "PARALLAX_PROCESS_ID"
 ENV_HEARTBEAT = "PARALLAX_HEARTBEAT_TIMEOUT"
@@ -205,7 +206,7 @@ class WorkdirLock:
     is never stale and is never deleted. It reaches other hosts where the shared filesystem
     carries locks (NFS: Linux sends flock as a POSIX lock, hence the file is opened for writing;
     GPFS; Lustre mounted with `-o flock`). The processes of one multi-process run share the workdir:
-    only process 0 takes the lock and the others follow its verdict (train.py), so that run
+    only process 0 takes the lock and the others follow its verdict (loop.py), so that run
     excludes every other run whatever its process count. The file holds the holder's pid, host
     and start time, for the message that refuses a second run."""
 
@@ -443,3 +444,46 @@ def apply_overlap_flags(platform: str | None, environ=os.environ) -> str | None:
         environ[var] = updated
         return f"parallax: {var} += {' '.join(added)} (collective/compute overlap; set them yourself to override)"
     return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Before JAX starts: the devices it will find
+
+
+def has_accelerator() -> bool:
+    """Whether JAX will find a GPU/TPU, decided without importing JAX."""
+    return accelerator_platform() is not None
+
+
+def configure_host_devices(cfg: Config, processes: int = 1) -> str:
+    """Before JAX starts: on an accelerator, add the collective-overlap XLA flags; on a CPU-only
+    machine, simulate the mesh's devices, split evenly over `processes`. Returns the line(s) to print."""
+    platform = accelerator_platform()
+    if platform is not None:
+        flags_line = apply_overlap_flags(platform)
+        return "parallax: using the accelerators JAX finds" + (f"\n{flags_line}" if flags_line else "")
+    # No accelerator: JAX is told so before it starts. Otherwise an installed libtpu or CUDA
+    # plugin (the test extra installs libtpu for the compile-only targets) probes for its
+    # hardware and prints its failure to find any on the user's screen.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        return "parallax: no accelerator; using the CPU device count set in XLA_FLAGS"
+    n = devices_needed(cfg.mesh)
+    if n % processes:
+        raise UserError(f"the mesh needs {n} devices, which {processes} processes cannot simulate in equal "
+                        "shares; choose mesh sizes whose product is a multiple of --num-processes")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n // processes}".strip()
+    if processes > 1:
+        return f"parallax: no accelerator found; simulating {n // processes} CPU devices in each of {processes} processes"
+    return f"parallax: no accelerator found; simulating {n} CPU devices for the mesh (XLA_FLAGS overrides)"
+
+
+def known_device_count(cfg: Config, processes: int = 1, platform: str | None = None) -> int | None:
+    """The device count JAX will see, where it is known before JAX starts: on a CPU-only machine
+    the simulated count (XLA_FLAGS's, or the one `configure_host_devices` will set); None on an
+    accelerator (JAX finds them)."""
+    if platform is not None:
+        return None
+    m = re.search(r"xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(m.group(1)) * processes if m else devices_needed(cfg.mesh)

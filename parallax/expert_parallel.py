@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from parallax.logical import vary, varying_axes
 from parallax.mesh import DATA, EXPERT
-from parallax.moe import LOCAL, Exchange, Grouped, RaggedLayer
+from parallax.moe import LOCAL, Exchange, Grouped, RaggedLayer, inverse_permutation
 from parallax.sharding import BATCH_AXES
 
 # [G, E, C, D]: before, sequences over the batch axes; after, sequences over data, experts over expert.
@@ -69,20 +70,8 @@ def _experts_here(num_experts: int) -> int:
 ragged_all_to_all = jax.lax.ragged_all_to_all
 
 
-def _vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """A fresh buffer typed as varying over the manual axes `like` varies over: ragged_all_to_all
-    returns its `output` operand's type, and the result differs per device."""
-    have, want = jax.typeof(x).manual_axis_type.varying, jax.typeof(like).manual_axis_type.varying
-    missing = tuple(a for a in want if a not in have)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
     return jnp.cumsum(x) - x
-
-
-def _inverse(order: jax.Array) -> jax.Array:
-    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
 
 
 def through_experts(ffn: Grouped) -> Grouped:
@@ -107,8 +96,11 @@ def through_experts(ffn: Grouped) -> Grouped:
         output_offsets = jax.lax.all_to_all(recv_offsets, EXPERT, 0, 0, tiled=True)
         # Static buffer, the dropless worst case: every device sends all N of its rows to me.
         rows = ep * n
-        received = ragged_all_to_all(tokens, _vary_like(jnp.zeros((rows, d), tokens.dtype), tokens),
-                                     input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=EXPERT)
+        # The output buffers are typed as varying like the tokens: ragged_all_to_all returns its
+        # `output` operand's type, and the result differs per device.
+        buffer = vary(jnp.zeros((rows, d), tokens.dtype), sorted(varying_axes(tokens)))
+        received = ragged_all_to_all(tokens, buffer, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                     axis_name=EXPERT)
         # Regroup by local expert: row r lies in (source, expert) block `block`; padding rows
         # (past the last block) get the sentinel E/ep and sort last, outside every group.
         # block[r] = how many blocks end at or before r: a count of block ends, then a running sum
@@ -117,10 +109,11 @@ def through_experts(ffn: Grouped) -> Grouped:
         block = jnp.cumsum(jnp.zeros((rows + 1,), jnp.int32).at[ends].add(1))[:rows]
         local = jnp.where(block < ep * e_here, block % e_here, e_here)
         order = jnp.argsort(local, stable=True)
-        out = ffn(received[order], jnp.sum(recv_counts, axis=0), wi, wo)[_inverse(order)]  # [ep*N, D] as received
+        out = ffn(received[order], jnp.sum(recv_counts, axis=0), wi, wo)
+        out = out[inverse_permutation(order)]  # [ep*N, D] as received
         # Back: my run for source i starts at recv_offsets[i] and lands at its input_offsets[me].
         back_offsets = jax.lax.all_to_all(input_offsets, EXPERT, 0, 0, tiled=True)
-        return ragged_all_to_all(out, _vary_like(jnp.zeros((n, d), out.dtype), out),
+        return ragged_all_to_all(out, vary(jnp.zeros((n, d), out.dtype), sorted(varying_axes(out))),
                                  recv_offsets, recv_sizes, back_offsets, send_sizes, axis_name=EXPERT)
 
     return moved

@@ -286,12 +286,6 @@ def overwrite(old: Any, new: Any) -> Any:
     return traverse_util.unflatten_dict(out)
 
 
-def combine(*states: Any) -> Any:
-    """States from separately differentiated microbatches -> one state: elementwise max (see the
-    module docstring; never a sum, never the last one)."""
-    return jax.tree.map(lambda *xs: functools.reduce(jnp.maximum, xs), *states)
-
-
 def fp8_metrics(fp8: Any) -> dict[str, jax.Array]:
     """Per tensor kind (inputs, weights, gradients), over every FP8 dot and layer: the largest
     fraction saturated and flushed to zero of any one tensor this step, and the scales' range."""

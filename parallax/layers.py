@@ -1,10 +1,11 @@
 """Building blocks: Dense with an injectable dot_general, Embed, RMSNorm, SwiGLU MLP.
 
 Single-device math annotated with logical axis names only; sharding.py decides where they live.
-Parameters are float32 (master weights); compute happens in `dtype`.
+Parameters are float32 (master weights); compute happens in `dtype`. ZeRO-3 is injected as
+`placer` (logical.ParamPlacer; None: parameters are only cast), as FP8 is as `dot_general`.
 
 Every matmul whose weight is a parameter goes through `param_matmul`: the float32 master is cast
-to the compute dtype (under ZeRO-3 also all-gathered there, sharding.ParamPlacement) inside a
+to the compute dtype (under ZeRO-3 also all-gathered there, logical.ParamPlacement) inside a
 custom VJP whose weight gradient leaves the matmul in `grad_dtype`. Why: with plain autodiff of
 `kernel.astype(bfloat16)` the weight-gradient matmul's output is bfloat16, and the partitioner
 reduces that partial sum over the batch axes in bfloat16 right after the dot; the cast's
@@ -25,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from parallax.sharding import ParamPlacement, constrain, constrain_param, param_placement
+from parallax.logical import (ParamPlacement, ParamPlacer, constrain, constrain_param, param_placement, vary,
+                              varying_axes)
 
 # A factory returning a Flax module with lax.dot_general's signature (e.g. an FP8 op that keeps
 # its scaling state in its own collection). None means plain jax.lax.dot_general. Called from
@@ -34,7 +36,8 @@ from parallax.sharding import ParamPlacement, constrain, constrain_param, param_
 DotGeneralFactory = Callable[[], nn.Module] | None
 
 
-def _dot_general(factory: DotGeneralFactory) -> Callable[..., jax.Array] | None:
+def make_dot(factory: DotGeneralFactory) -> Callable[..., jax.Array] | None:
+    """One dot_general module from `factory` (a submodule of the caller), or None for lax's."""
     return None if factory is None else factory()
 
 
@@ -134,38 +137,29 @@ def param_dot(x: jax.Array, w: jax.Array, dims: Any, use: ParamUse) -> jax.Array
 param_dot.defvjp(_param_dot_fwd, _param_dot_bwd, symbolic_zeros=True)
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
-    """The manual shard_map axes x varies over (empty outside shard_map)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
 def match_varying(*xs: jax.Array) -> list[jax.Array]:
     """Inside shard_map, give the operands one varying type (x sharded, w replicated: w is cast).
     A custom VJP must return each cotangent with its input's type; the cast's transpose is the
     psum that sums the weight gradient over the shards, as lax.dot_general would."""
-    union = frozenset().union(*(_varying_axes(x) for x in xs))
-    out = []
-    for x in xs:
-        missing = tuple(sorted(union - _varying_axes(x)))
-        out.append(lax.pcast(x, missing, to="varying") if missing else x)
-    return out
+    union = frozenset().union(*(varying_axes(x) for x in xs))
+    return [vary(x, sorted(union)) for x in xs]
 
 
 def param_matmul(x: jax.Array, w: jax.Array, dims: Any, names: tuple[str | None, ...], dtype: Any,
-                 grad_dtype: Any, dot: Callable[..., jax.Array] | None = None) -> jax.Array:
+                 grad_dtype: Any, dot: Callable[..., jax.Array] | None = None,
+                 placer: ParamPlacer | None = None) -> jax.Array:
     """x . w for a master weight w with logical `names`, in `dtype`; the weight gradient in
-    `grad_dtype`. `dot`: an injected dot_general module (FP8), else param_dot.
+    `grad_dtype`. `dot`: an injected dot_general module (FP8), else param_dot. `placer`: the
+    injected ZeRO-3 placement (None: w is only cast).
 
     `grad_dtype=None` is plain autodiff of `w.astype(dtype)` (the weight gradient in `dtype`
     until the cast's transpose): the reference the custom VJP is tested against.
     """
     x = x.astype(dtype)
     if grad_dtype is None:
-        wc = constrain_param(w, names, dtype)  # ZeRO-3: all-gather here, in dtype
+        wc = constrain_param(w, names, placer, dtype)  # ZeRO-3: all-gather here, in dtype
         return (dot or lax.dot_general)(x, wc, dims, preferred_element_type=dtype)
-    use = ParamUse(param_placement(names), jnp.dtype(dtype), jnp.dtype(grad_dtype), jnp.dtype(w.dtype))
+    use = ParamUse(param_placement(placer, names), jnp.dtype(dtype), jnp.dtype(grad_dtype), jnp.dtype(w.dtype))
     if dot is not None:
         return dot(x, w, dims, preferred_element_type=dtype, param=use)
     x, w = match_varying(x, w)
@@ -186,6 +180,7 @@ class Dense(nn.Module):
     dtype: Any = jnp.float32
     dot_general: DotGeneralFactory = None
     grad_dtype: Any = "float32"  # the weight gradient's dtype (param_matmul); None: plain autodiff
+    placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer); None: the kernel is only cast
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -198,7 +193,8 @@ class Dense(nn.Module):
         )
         lhs_dims = tuple(range(x.ndim - self.contract, x.ndim))
         dims = ((lhs_dims, tuple(range(self.contract))), ((), ()))
-        return param_matmul(x, kernel, dims, self.axes, self.dtype, self.grad_dtype, _dot_general(self.dot_general))
+        return param_matmul(x, kernel, dims, self.axes, self.dtype, self.grad_dtype, make_dot(self.dot_general),
+                            self.placer)
 
 
 class Embed(nn.Module):
@@ -214,6 +210,7 @@ class Embed(nn.Module):
     dtype: Any = jnp.float32
     dot_general: DotGeneralFactory = None
     grad_dtype: Any = "float32"  # the table gradient's dtype (param_matmul); None: plain autodiff
+    placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer); None: the table is only cast
 
     NAMES = ("vocab", "embed")
 
@@ -224,7 +221,7 @@ class Embed(nn.Module):
             (self.vocab_size, self.d_model),
             jnp.float32,
         )
-        self.attend_dot_general = _dot_general(self.dot_general)  # a submodule must be made in setup
+        self.attend_dot_general = make_dot(self.dot_general)  # a submodule must be made in setup
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         # [B, T] -> [B, T, D]. A one-hot matmul rather than a gather: with `vocab` sharded over
@@ -234,24 +231,27 @@ class Embed(nn.Module):
         one_hot = jax.nn.one_hot(tokens, self.vocab_size, dtype=self.dtype)
         one_hot = constrain(one_hot, ("activation_batch", "activation_length", "activation_vocab"))
         dims = (((2,), (0,)), ((), ()))
-        return param_matmul(one_hot, self.embedding, dims, self.NAMES, self.dtype, self.grad_dtype)
+        return param_matmul(one_hot, self.embedding, dims, self.NAMES, self.dtype, self.grad_dtype,
+                            placer=self.placer)
 
     def attend(self, x: jax.Array) -> jax.Array:
         # [B, T, D] x [V, D] -> [B, T, V]
         dims = (((2,), (1,)), ((), ()))
-        return param_matmul(x, self.embedding, dims, self.NAMES, self.dtype, self.grad_dtype, self.attend_dot_general)
+        return param_matmul(x, self.embedding, dims, self.NAMES, self.dtype, self.grad_dtype, self.attend_dot_general,
+                            self.placer)
 
 
 class RMSNorm(nn.Module):
     eps: float = 1e-6
     dtype: Any = jnp.float32
+    placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer): the scale gathered where used
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param(
             "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (x.shape[-1],), jnp.float32
         )
-        scale = constrain_param(scale, ("embed",))
+        scale = constrain_param(scale, ("embed",), self.placer)
         # Statistics in float32 whatever the compute dtype.
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -267,6 +267,7 @@ class MLP(nn.Module):
     dtype: Any = jnp.float32
     dot_general: DotGeneralFactory = None
     grad_dtype: Any = "float32"
+    placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -275,11 +276,11 @@ class MLP(nn.Module):
         # pass all-reduces one input-gradient partial sum over tensor instead of two.
         gate_up = Dense(
             (2, self.d_ff), ("embed", None, "mlp"), init_std=self.init_std, dtype=self.dtype,
-            dot_general=self.dot_general, grad_dtype=self.grad_dtype, name="wi",
+            dot_general=self.dot_general, grad_dtype=self.grad_dtype, placer=self.placer, name="wi",
         )(x)  # [B, T, D] -> [B, T, 2, F]
         h = nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
         h = constrain(h, ("activation_batch", "activation_length", "activation_mlp"))  # [B, T, F]
         return Dense(
             (d_model,), ("mlp", "embed"), init_std=self.out_std, dtype=self.dtype,
-            dot_general=self.dot_general, grad_dtype=self.grad_dtype, name="wo",
+            dot_general=self.dot_general, grad_dtype=self.grad_dtype, placer=self.placer, name="wo",
         )(h)  # [B, T, D]

@@ -373,7 +373,7 @@ class Progress:
 # Gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training",
 # appendix A): how big should the global batch be? With train.noise_scale the train step returns
 # the squared gradient norms of its batch shards and of their mean (train_step.py,
-# make_sharded_value_and_grad) and train.py feeds them to NoiseScale; B_simple is in sequences.
+# make_sharded_value_and_grad) and loop.py feeds them to NoiseScale; B_simple is in sequences.
 
 
 def noise_scale_terms(small_sq_norm: float, big_sq_norm: float, b_small: float, b_big: float) -> tuple[float, float]:

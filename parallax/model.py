@@ -3,6 +3,11 @@
 The block stack is one `nn.scan` over a leading logical `layers` axis, so compile time does not
 grow with depth. Remat wraps the block inside the scan. Parameter and FLOP counts are computed from
 the config alone (no tracing), so planners and the CLI can report them before anything is built.
+
+Single-device math. Parallelism comes in from outside (train_state.make_layout), as module
+attributes passed down to every module that needs them: `dot_general` (FP8), `placer` (ZeRO-3:
+logical.ParamPlacer, None for none) and `exchange` (the MoE all-to-all: moe.Exchange, moe.LOCAL
+when every expert is on every device).
 """
 
 from __future__ import annotations
@@ -16,11 +21,10 @@ import jax.numpy as jnp
 
 from parallax.attention import Attention
 from parallax.config import ModelConfig, expert_d_ff, stack_length
-from parallax.expert_parallel import EXPERT_EXCHANGE
 from parallax.fp8 import FP8_COLLECTION
 from parallax.layers import MLP, Dense, DotGeneralFactory, Embed, RMSNorm
-from parallax.moe import MoE
-from parallax.sharding import PARAM_COMPUTE, constrain, params_pinned
+from parallax.logical import PARAM_COMPUTE, ParamPlacer, constrain
+from parallax.moe import LOCAL, Exchange, MoE
 
 # The residual stream between tensor-parallel regions: its T is `activation_norm_length`, sharded
 # over tensor under sequence parallelism (sharding.compute_rules). The input of a column-parallel
@@ -35,8 +39,9 @@ REMAT_POLICIES = {
 }
 
 
-def remat_policy(name: str) -> Callable | None:
-    """The checkpoint policy for one block; None means no remat at all.
+def remat_policy(name: str, pinned: bool = False) -> Callable | None:
+    """The checkpoint policy for one block; None means no remat at all. `pinned`: parameters are
+    gathered where used (a ZeRO-3 placer is injected).
 
     Under ZeRO-3 `none` asks to remat the all-gathered weights (and only them), so that the
     backward pass would gather each layer's weights again instead of holding every layer's full
@@ -45,7 +50,7 @@ def remat_policy(name: str) -> Callable | None:
     (one gather per weight per step, as cost.py counts). Remat full and dots do gather again.
     """
     if name == "none":
-        return jax.checkpoint_policies.save_anything_except_these_names(PARAM_COMPUTE) if params_pinned() else None
+        return jax.checkpoint_policies.save_anything_except_these_names(PARAM_COMPUTE) if pinned else None
     return REMAT_POLICIES[name]
 
 
@@ -60,29 +65,31 @@ class Block(nn.Module):
     dot_general: DotGeneralFactory = None
     moe: bool | None = None
     grad_dtype: Any = "float32"  # weight gradients' dtype (layers.param_matmul)
+    placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer); None: parameters only cast
+    exchange: Exchange = LOCAL  # the MoE layer's expert exchange (expert_parallel.py injects its own)
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Stats]:
         c = self.cfg
         dtype = jnp.dtype(c.dtype)
         out_std = c.init_std / math.sqrt(2 * c.n_layers)  # GPT-2 style residual-branch scaling
-        h = constrain(RMSNorm(c.norm_eps, dtype, name="attn_norm")(x), NORMED)
+        h = constrain(RMSNorm(c.norm_eps, dtype, self.placer, name="attn_norm")(x), NORMED)
         x = x + Attention(
             c.n_heads, c.n_kv_heads, c.d_model // c.n_heads, c.rope_theta, c.init_std, out_std, dtype,
-            self.dot_general, self.grad_dtype, name="attn",
+            self.dot_general, self.grad_dtype, self.placer, name="attn",
         )(h)
         x = constrain(x, RESIDUAL)
-        h = constrain(RMSNorm(c.norm_eps, dtype, name="mlp_norm")(x), NORMED)  # MoE routes whole sequences
+        h = constrain(RMSNorm(c.norm_eps, dtype, self.placer, name="mlp_norm")(x), NORMED)  # MoE routes whole sequences
         moe = self.moe if self.moe is not None else bool(c.moe.num_experts) and c.moe.every == 1
         stats: Stats = {}
         if moe:
-            y, stats = MoE(c.moe, expert_d_ff(c), c.init_std, out_std, dtype, self.dot_general, EXPERT_EXCHANGE,
-                           self.grad_dtype, name="moe")(h)
+            y, stats = MoE(c.moe, expert_d_ff(c), c.init_std, out_std, dtype, self.dot_general, self.exchange,
+                           self.grad_dtype, self.placer, name="moe")(h)
             # Full T until the residual add: left free, the partitioner spread the router and the
             # combine over T by `tensor` (sequence parallelism), adding small gathers and sorts.
             y = constrain(y, NORMED)
         else:
-            y = MLP(c.d_ff, c.init_std, out_std, dtype, self.dot_general, self.grad_dtype, name="mlp")(h)
+            y = MLP(c.d_ff, c.init_std, out_std, dtype, self.dot_general, self.grad_dtype, self.placer, name="mlp")(h)
         return constrain(x + y, RESIDUAL), stats
 
 
@@ -92,12 +99,15 @@ class BlockGroup(nn.Module):
     cfg: ModelConfig
     dot_general: DotGeneralFactory = None
     grad_dtype: Any = "float32"
+    placer: ParamPlacer | None = None
+    exchange: Exchange = LOCAL
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Stats]:
+        kw = dict(grad_dtype=self.grad_dtype, placer=self.placer, exchange=self.exchange)
         for i in range(self.cfg.moe.every - 1):
-            x, _ = Block(self.cfg, self.dot_general, moe=False, grad_dtype=self.grad_dtype, name=f"dense_{i}")(x)
-        return Block(self.cfg, self.dot_general, moe=True, grad_dtype=self.grad_dtype, name="moe_block")(x)
+            x, _ = Block(self.cfg, self.dot_general, moe=False, **kw, name=f"dense_{i}")(x)
+        return Block(self.cfg, self.dot_general, moe=True, **kw, name="moe_block")(x)
 
 
 def stack_unit(c: ModelConfig) -> type[nn.Module]:
@@ -115,13 +125,20 @@ class Transformer(nn.Module):
     # The dtype every weight gradient leaves its matmul, and is reduced over the batch axes, in
     # (parallel.grad_reduce_dtype; layers.param_matmul). None: plain autodiff, in the compute dtype.
     grad_dtype: Any = "float32"
+    # ZeRO-3: parameters stored sharded over data, gathered where used (sharding.param_placer).
+    # None: no ZeRO-3, parameters are only cast to the compute dtype.
+    placer: ParamPlacer | None = None
+    # The MoE layers' expert exchange (expert_parallel.EXPERT_EXCHANGE, injected by make_layout);
+    # moe.LOCAL is single-device math.
+    exchange: Exchange = LOCAL
 
     def setup(self) -> None:
         c = self.cfg
         dtype = jnp.dtype(c.dtype)
-        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, dtype, self.logits_dot_general, self.grad_dtype)
+        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, dtype, self.logits_dot_general, self.grad_dtype,
+                           self.placer)
         block = stack_unit(c)
-        policy = remat_policy(self.remat)
+        policy = remat_policy(self.remat, self.placer is not None)
         if policy is not None:
             block = nn.remat(block, policy=policy, prevent_cse=False)
         self.layers = nn.scan(
@@ -130,11 +147,11 @@ class Transformer(nn.Module):
             split_rngs={"params": True},
             length=stack_length(c),
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.dot_general, grad_dtype=self.grad_dtype)
-        self.final_norm = RMSNorm(c.norm_eps, dtype)
+        )(c, self.dot_general, grad_dtype=self.grad_dtype, placer=self.placer, exchange=self.exchange)
+        self.final_norm = RMSNorm(c.norm_eps, dtype, self.placer)
         if not c.tie_embeddings:
             self.logits = Dense((c.vocab_size,), ("embed", "vocab"), init_std=c.init_std, dtype=dtype,
-                                dot_general=self.logits_dot_general, grad_dtype=self.grad_dtype)
+                                dot_general=self.logits_dot_general, grad_dtype=self.grad_dtype, placer=self.placer)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         # [B, T] -> [B, T, D]. The vocab shards' partial sums are reduced at full T, then each

@@ -25,16 +25,15 @@ Single-device math with logical names only. The one communication, moving each e
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from parallax.config import MoEConfig
-from parallax.layers import MLP, DotGeneralFactory, _dot_general, param_matmul
-from parallax.sharding import constrain, constrain_param
+from parallax.config import MoEConfig, moe_capacity
+from parallax.layers import MLP, DotGeneralFactory, make_dot, param_matmul
+from parallax.logical import ParamPlacer, constrain, constrain_param
 
 SLOTS = ("activation_batch", None, None, "activation_embed")  # [G, E, C, D] before the exchange
 EXPERT_SLOTS = ("activation_batch_no_expert", "activation_expert", None, "activation_embed")  # after
@@ -92,14 +91,6 @@ def route(logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
     if renormalize:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     return Routing(probs, experts.astype(jnp.int32), gates)
-
-
-def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
-    """Slots per expert per group; a token sends at most one assignment to any expert, so S
-    slots never drop anything (dropless)."""
-    if capacity_factor <= 0:
-        return tokens
-    return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts)))
 
 
 def _group_slots(experts: jax.Array, priority: jax.Array, num_experts: int) -> jax.Array:
@@ -206,6 +197,11 @@ def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.
     return jax.lax.ragged_dot(nn.silu(gate) * up, wo.astype(dtype), group_sizes, preferred_element_type=dtype)
 
 
+def inverse_permutation(order: jax.Array) -> jax.Array:
+    """[N] permutation -> its inverse: x[order][inverse_permutation(order)] == x."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
 def ragged_layer(num_experts: int) -> RaggedLayer:
     """The ragged path's local math on one device's tokens (see RaggedLayer)."""
 
@@ -215,8 +211,8 @@ def ragged_layer(num_experts: int) -> RaggedLayer:
         order, sizes = sort_by_expert(experts, num_experts)  # [N], [E]
         tokens = x.reshape(g * s, d)[order // k]  # [N, D]: assignment n is token n // k
         out = through(grouped_swiglu)(tokens, sizes, wi, wo)  # [N, D] in sorted order
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-        out = out[inverse].reshape(g, s, k, d)  # back to (token, choice) order: a gather, not a scatter
+        # back to (token, choice) order: a gather, not a scatter
+        out = out[inverse_permutation(order)].reshape(g, s, k, d)
         return jnp.einsum("gskd,gsk->gsd", out, gates.astype(x.dtype))
 
     return layer
@@ -233,6 +229,7 @@ class MoE(nn.Module):
     dot_general: DotGeneralFactory = None  # the expert matmuls (FP8-capable); the router stays fp32
     exchange: Exchange = LOCAL
     grad_dtype: Any = "float32"  # the expert weights' gradient dtype (layers.param_matmul)
+    placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer); None: weights only cast
 
     def _master(self, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float) -> jax.Array:
         return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), axes), shape, jnp.float32)
@@ -240,7 +237,8 @@ class MoE(nn.Module):
     def _kernel(self, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float,
                 dtype: Any = None) -> jax.Array:
         w = self._master(name, shape, axes, std)
-        return constrain_param(w, axes, dtype)  # ZeRO-3: all-gathered here (in the compute dtype, if given)
+        # ZeRO-3: all-gathered here (in the compute dtype, if given)
+        return constrain_param(w, axes, self.placer, dtype)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -252,7 +250,7 @@ class MoE(nn.Module):
         routing = route(logits, c.top_k, c.renormalize)
         if c.dispatch == "ragged":
             return self._ragged(x, routing, logits)
-        cap = capacity(t, e, c.top_k, c.capacity_factor)
+        cap = moe_capacity(t, e, c.top_k, c.capacity_factor)
         slot, keep = assign_slots(routing, e, cap)
 
         slots = constrain(dispatch(x.astype(self.dtype), routing, slot, keep, cap), SLOTS)  # [B, E, C, D]
@@ -264,16 +262,16 @@ class MoE(nn.Module):
         # One batched matmul over the local experts: [B, E, C, D] x [E, D, 2, F] -> [E, B, C, 2, F].
         # Two dot_general instances: each FP8 operand keeps its own scale and history.
         gate_up = param_matmul(slots, wi, (((3,), (1,)), ((1,), (0,))), wi_axes, self.dtype, self.grad_dtype,
-                               _dot_general(self.dot_general))
+                               make_dot(self.dot_general), self.placer)
         h = constrain(nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], HIDDEN)  # [E, B, C, F]
         out = param_matmul(h, wo, (((3,), (1,)), ((0,), (0,))), wo_axes, self.dtype, self.grad_dtype,
-                           _dot_general(self.dot_general))
+                           make_dot(self.dot_general), self.placer)
         out = constrain(out.transpose(1, 0, 2, 3), EXPERT_SLOTS)  # [E, B, C, D] -> [B, E, C, D]
         out = constrain(self.exchange.from_experts(out), SLOTS)
         y = combine(out, routing, slot, keep)  # [B, T, D]
         if c.shared_experts:
             y = y + MLP(c.shared_experts * f, self.init_std, self.out_std, self.dtype, self.dot_general,
-                        self.grad_dtype, name="shared")(x)
+                        self.grad_dtype, self.placer, name="shared")(x)
         return y.astype(self.dtype), routing_stats(routing, keep, logits)
 
     def _ragged(self, x: jax.Array, routing: Routing, logits: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -289,6 +287,6 @@ class MoE(nn.Module):
         y = self.exchange.ragged(ragged_layer(e), x.astype(self.dtype), routing.experts, routing.gates, wi, wo)
         if c.shared_experts:
             y = y + MLP(c.shared_experts * f, self.init_std, self.out_std, self.dtype, self.dot_general,
-                        self.grad_dtype, name="shared")(x)
+                        self.grad_dtype, self.placer, name="shared")(x)
         keep = jnp.ones(routing.experts.shape, bool)  # dropless
         return y.astype(self.dtype), routing_stats(routing, keep, logits)

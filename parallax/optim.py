@@ -17,7 +17,8 @@ from parallax.config import Config
 DECAYED = ("kernel", "embedding")
 
 
-def make_schedule(cfg: Config) -> optax.Schedule:
+def make_lr_schedule(cfg: Config) -> optax.Schedule:
+    """The learning rate by step: linear warmup, then cosine decay to lr * min_lr_ratio."""
     t = cfg.train
     warmup = min(cfg.optim.warmup_steps, t.steps)
     return optax.warmup_cosine_decay_schedule(
@@ -40,7 +41,7 @@ def decay_mask(params: Any) -> Any:
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     o = cfg.optim
     adamw = optax.adamw(
-        make_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask
+        make_lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask
     )
     if o.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)

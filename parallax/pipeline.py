@@ -29,90 +29,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from parallax.config import ParallelConfig
 from parallax.fp8 import FP8_COLLECTION, padding_value, scales_each_use
 from parallax.mesh import DATA, PIPE
+from parallax.parallelism import Schedule
 from parallax.model import Transformer, moe_stat_shapes, remat_policy, stack_unit
-from parallax.sharding import BATCH_AXES, entry_axes, keep_axes
-
-SCHEDULES = ("gpipe", "circular", "1f1b")
-
-
-@dataclass(frozen=True)
-class Schedule:
-    stages: int  # P
-    microbatches: int  # M
-    repeats: int = 1  # R (chunks per stage)
-    name: str = "gpipe"
-    units: int = 0  # U, the scanned stack's length; 0: a multiple of R*P (no padding)
-
-    @property
-    def chunk_units(self) -> int:
-        """Lc: units per chunk, the stack padded up to a multiple of R*P (uneven stages)."""
-        return -(-self.units // (self.repeats * self.stages))
-
-    @property
-    def padding(self) -> int:
-        """Identity slots appended to the stack so that R*P chunks split it evenly."""
-        return self.chunk_units * self.repeats * self.stages - self.units if self.units else 0
-
-    @property
-    def ticks(self) -> int:
-        if self.name == "1f1b":  # forward and backward interleaved: M + 2(P-1) ticks of both
-            return self.microbatches + 2 * (self.stages - 1)
-        return self.repeats * self.microbatches + self.stages - 1
-
-    def work(self, tick: int, stage: int) -> tuple[bool, int, int]:
-        """(busy, microbatch, repeat) of `stage` at `tick`; pure Python for accounting and tests."""
-        p, r, m = self.stages, self.repeats, self.microbatches
-        k = tick - stage
-        if not 0 <= k < r * m:
-            return False, 0, 0
-        group, rest = divmod(k, r * p)
-        return True, group * p + rest % p, rest // p
-
-    def idle_stage_ticks(self) -> int:
-        return sum(not self.work(t, s)[0] for t in range(self.ticks) for s in range(self.stages))
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle over total stage time, counted from the schedule table itself.
-
-        Time model: a backward costs twice a forward. GPipe/circular run a forward loop and a
-        backward loop of `ticks` ticks each, so this is idle stage-ticks over stage-ticks. 1F1B
-        ticks run in lockstep and skip idle halves, so a tick lasts as long as its busiest stage.
-        """
-        if self.name != "1f1b":
-            return self.idle_stage_ticks() / (self.ticks * self.stages)
-        total = 0
-        for t in range(self.ticks):
-            work = [one_f_one_b_work(self, t, s) for s in range(self.stages)]
-            total += max(int(f) + 2 * int(b) for f, _, b, _ in work)
-        return 1 - 3 * self.microbatches / total
-
-    def formula(self) -> float:
-        p, r, m = self.stages, self.repeats, self.microbatches
-        return (p - 1) / (r * m + p - 1)
-
-
-def one_f_one_b_work(sched: Schedule, tick: int, stage: int) -> tuple[bool, int, bool, int]:
-    """1F1B: (forward busy, its microbatch, backward busy, its microbatch) of `stage` at `tick`.
-
-    Forward of microbatch i on stage s at tick i + s; its loss head and backward start on the
-    last stage in the same tick, so the backward reaches stage s at tick i + 2(P-1) - s.
-    """
-    p, m = sched.stages, sched.microbatches
-    i_f, i_b = tick - stage, tick - 2 * (p - 1) + stage
-    return 0 <= i_f < m, i_f, 0 <= i_b < m, i_b
-
-
-def make_schedule(parallel: ParallelConfig, stages: int, units: int = 0) -> Schedule:
-    return Schedule(stages, parallel.microbatches, parallel.repeats, parallel.schedule, units)
-
-
-def is_pipelined(parallel: ParallelConfig, stages: int) -> bool:
-    return stages > 1 or parallel.microbatches > 1
-
+from parallax.logical import entry_axes, keep_axes, vary
+from parallax.sharding import BATCH_AXES
 
 # ----------------------------------------------------------------------------------------------
 # Layer-major <-> stage layout (a reshape of the leading axis)
@@ -170,7 +92,7 @@ def stage_specs(layer_specs: Any) -> Any:
 # The pipelined forward pass
 
 
-def _stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
+def stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
     """(chunk params [Lc, ...], x [b, T, D], chunk FP8 state or None, unit mask [Lc] or None,
     repeat or None) -> (x, MoE stats [Lc, ...]): the chunk's units in order.
 
@@ -191,7 +113,8 @@ def _stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
     dot_general = model.dot_general
     if dot_general is not None:
         dot_general = functools.partial(dot_general, amax_axes=tuple(BATCH_AXES))
-    block = stack_unit(model.cfg)(model.cfg, dot_general)
+    # ZeRO-3's placer and the expert exchange as injected into the model (train_state.make_layout)
+    block = stack_unit(model.cfg)(model.cfg, dot_general, placer=model.placer, exchange=model.exchange)
 
     def unit(params: Any, fp8: Any, real: Any, x: jax.Array) -> tuple[jax.Array, dict]:
         y, stats = block.apply({"params": params, **({FP8_COLLECTION: fp8} if fp8 is not None else {})}, x)
@@ -203,7 +126,7 @@ def _stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
         pick = lambda c: c[rep, j]  # noqa: E731
         return unit(jax.tree.map(pick, stack), jax.tree.map(pick, fp8_stack), real, x)
 
-    policy = remat_policy(model.remat)
+    policy = remat_policy(model.remat, model.placer is not None)
     if policy is not None:
         unit = jax.checkpoint(unit, policy=policy, prevent_cse=False)
         sliced = jax.checkpoint(sliced, policy=policy, prevent_cse=False)
@@ -217,11 +140,6 @@ def _stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
         return jax.lax.scan(lambda h, xs: sliced(chunk, fp8, rep, *xs, h), x, (jnp.arange(units), mask))
 
     return stage
-
-
-def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 @jax.custom_vjp
@@ -276,7 +194,7 @@ def run_pipeline(
     # [B, T, D] -> [B/M, M, T, D] -> [M, B/M, T, D]: microbatch i takes rows i, i+M, ...; splitting
     # this way keeps each data shard's rows on the same shard (no resharding of the batch).
     micro = x.reshape(b // m, m, t, d).swapaxes(0, 1)
-    stage = _stage_fn(model)
+    stage = stage_fn(model)
     split = not scales_each_use(model.dot_general)
     ring = [(i, (i + 1) % p) for i in range(p)]
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
@@ -299,8 +217,8 @@ def run_pipeline(
         # Mark inputs varying here, once, outside the tick loop: the transpose of this cast is the
         # reduction of their cotangents (weights over the batch axes, microbatches over `pipe`),
         # which then runs once per step instead of at every use inside the loop.
-        chunks = jax.tree.map(lambda c: _vary(c, BATCH_AXES), chunks)
-        micro = _vary(micro, (PIPE,))
+        chunks = jax.tree.map(lambda c: vary(c, BATCH_AXES), chunks)
+        micro = vary(micro, (PIPE,))
 
         def tick(carry, tick_index):
             state, outputs, acc = carry
@@ -343,7 +261,7 @@ def run_pipeline(
             outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, out, prev), i, 0)
             return (jnp.concatenate(sent) if len(sent) > 1 else sent[0], outputs, acc), None
 
-        acc = {k: _vary(jnp.zeros((r, *shape), jnp.float32), tuple(manual)) for k, shape in stat_shapes.items()}
+        acc = {k: vary(jnp.zeros((r, *shape), jnp.float32), tuple(manual)) for k, shape in stat_shapes.items()}
         init = (jnp.zeros_like(micro[0]), jnp.zeros_like(micro), acc)
         (_, outputs, acc), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
         # Per-token means average over microbatches and the (equal) batch shards; counts add.

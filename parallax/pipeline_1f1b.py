@@ -30,8 +30,10 @@ from jax.sharding import PartitionSpec as P
 
 from parallax.mesh import PIPE
 from parallax.model import Transformer
-from parallax.pipeline import Schedule, _stage_fn, _vary, unit_mask
-from parallax.sharding import BATCH_AXES, keep_axes
+from parallax.logical import keep_axes, vary
+from parallax.parallelism import Schedule
+from parallax.pipeline import stage_fn, unit_mask
+from parallax.sharding import BATCH_AXES
 
 
 def make_1f1b_value_and_grad(
@@ -40,15 +42,14 @@ def make_1f1b_value_and_grad(
     mesh: jax.sharding.Mesh,
     layer_specs: Any,
     loss_of_logits: Callable[[jax.Array, jax.Array], jax.Array],
+    batch_shards: int,
 ) -> Callable[[Any, dict], tuple[jax.Array, Any]]:
-    """(params with stage-layout 'layers', batch) -> (mean loss, gradients like params)."""
+    """(params with stage-layout 'layers', batch) -> (mean loss, gradients like params).
+    `batch_shards`: Parallelism.batch_shards, the devices the batch is split over."""
     p, m = sched.stages, sched.microbatches
     slots = 2 * p
     manual = {PIPE, *BATCH_AXES}
-    n_shards = 1
-    for a in BATCH_AXES:
-        n_shards *= mesh.shape[a]
-    with_stats = _stage_fn(model)
+    with_stats = stage_fn(model)
     # (config refuses MoE and FP8 with 1F1B: no stats, no FP8 state)
     fwd_ring = [(i, (i + 1) % p) for i in range(p)]
     bwd_ring = [((i + 1) % p, i) for i in range(p)]
@@ -62,20 +63,19 @@ def make_1f1b_value_and_grad(
         s = jax.lax.axis_index(PIPE)
         # Everything a gradient is taken of is marked varying over the batch axes up front, so no
         # implicit reduction lands inside the loop; gradients are averaged over them once, below.
-        chunk = jax.tree.map(lambda c: _vary(c[0, 0], BATCH_AXES), chunks)  # [1, 1, Lc, ...] -> [Lc, ...]
+        chunk = jax.tree.map(lambda c: vary(c[0, 0], BATCH_AXES), chunks)  # [1, 1, Lc, ...] -> [Lc, ...]
         mask = unit_mask(sched, s)  # uneven stages: this stage's padding slots pass through
 
         def stage(chunk: Any, x: jax.Array) -> jax.Array:
             return with_stats(chunk, x, None, mask)[0]
 
-        outer = jax.tree.map(lambda o: _vary(o, (*BATCH_AXES, PIPE)), outer)
-        micro_x, micro_t = _vary(micro_x, (PIPE,)), _vary(micro_t, (PIPE,))
+        outer = jax.tree.map(lambda o: vary(o, (*BATCH_AXES, PIPE)), outer)
+        micro_x, micro_t = vary(micro_x, (PIPE,)), vary(micro_t, (PIPE,))
         zeros_x = jnp.zeros_like(micro_x[0])
 
         def tick(carry, t):
             recv_f, recv_b, buf, g_chunk, g_outer, loss, dx_all = carry
-            i_f, i_b = t - s, t - 2 * (p - 1) + s
-            f_busy, b_busy = (i_f >= 0) & (i_f < m), (i_b >= 0) & (i_b < m)
+            f_busy, i_f, b_busy, i_b = sched.one_f_one_b_work(t, s)
             i_f, i_b = jnp.clip(i_f, 0, m - 1), jnp.clip(i_b, 0, m - 1)
             # forward
             inp = jnp.where(s == 0, jax.lax.dynamic_index_in_dim(micro_x, i_f, keepdims=False), recv_f)
@@ -90,7 +90,7 @@ def make_1f1b_value_and_grad(
                 return value, d_outer, dy
 
             def no_head(args):
-                zero = _vary(jnp.zeros((), jnp.float32), (*BATCH_AXES, PIPE))  # same type as the loss
+                zero = vary(jnp.zeros((), jnp.float32), (*BATCH_AXES, PIPE))  # same type as the loss
                 return zero, jax.tree.map(jnp.zeros_like, outer), jnp.zeros_like(args[0])
 
             value, d_outer, dy = jax.lax.cond(f_busy & (s == p - 1), head, no_head, (out, targets))
@@ -120,8 +120,8 @@ def make_1f1b_value_and_grad(
             jax.tree.map(jnp.zeros_like, chunk), jax.tree.map(jnp.zeros_like, outer),
             jnp.zeros((), jnp.float32), jnp.zeros_like(micro_x),
         )
-        init = jax.tree.map(lambda a: _vary(a, (*BATCH_AXES, PIPE)), init)  # loop carries vary everywhere
-        carry, _ = jax.lax.scan(tick, init, jnp.arange(m + 2 * (p - 1)))
+        init = jax.tree.map(lambda a: vary(a, (*BATCH_AXES, PIPE)), init)  # loop carries vary everywhere
+        carry, _ = jax.lax.scan(tick, init, jnp.arange(sched.ticks))
         _, _, _, g_chunk, g_outer, loss, dx_all = carry
         # Data parallelism: every shard's loss is a mean over its own rows, so the global loss and
         # the weight gradients are means over the batch axes (one all-reduce each, after the loop).
@@ -129,7 +129,7 @@ def make_1f1b_value_and_grad(
         g_chunk = jax.tree.map(lambda g: jax.lax.pmean(g, BATCH_AXES)[None, None], g_chunk)
         g_outer = jax.tree.map(lambda g: jax.lax.psum(jax.lax.pmean(g, BATCH_AXES), PIPE), g_outer)
         loss = jax.lax.psum(jax.lax.pmean(loss, BATCH_AXES), PIPE)  # only the last stage summed
-        dx_all = jax.lax.psum(dx_all, PIPE) / n_shards  # only stage 0 wrote; mean over shards
+        dx_all = jax.lax.psum(dx_all, PIPE) / batch_shards  # only stage 0 wrote; mean over shards
         return loss, g_chunk, g_outer, dx_all
 
     act = P(None, BATCH_AXES)

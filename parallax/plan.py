@@ -24,7 +24,7 @@ the MoE all-to-alls over `expert` exposed (the expert matmuls wait for the dispa
 
 MoE models search `expert` too (dividing num_experts; the batch is split over data x expert), with
 MoE blocks inside GPipe/circular stages when pipe > 1 (tests/test_cost_moe.py validates those
-terms against compiles); config refuses MoE with 1F1B.
+terms against compiles); parallelism.RULES refuses MoE with 1F1B, and so the search leaves it out.
 The device, preset and published-run tables live in presets.py.
 """
 
@@ -41,10 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
-from parallax.config import (Config, ConfigError, ModelConfig, TrainConfig, UserError, apply_overrides, expert_d_ff,
-                             load_experiment, stack_length, stage_padding)
-from parallax.cost import (CIRCULAR, GPIPE, ONE_F_ONE_B, REMATS, SCHEDULES, Grid, Workload, collective_terms,
+from parallax.config import (Config, ConfigError, Fp8Config, ModelConfig, TrainConfig, UserError, apply_overrides,
+                             expert_d_ff, load_experiment, stack_length)
+from parallax.cost import (Grid, Workload, collective_terms,
                            hardware_flops_per_device, memory_parts, model_flops_per_step)
+from parallax.parallelism import CIRCULAR, GPIPE, LAYOUT_FIELDS, ONE_F_ONE_B, REMATS, SCHEDULES, bubble, legal, pipelined
 from parallax.presets import PUBLISHED  # noqa: F401 - re-exported: the published runs beside compare_published
 from parallax.presets import ALIASES, DEVICES, PRESETS, Device, PublishedRun
 
@@ -62,45 +63,38 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3), sequence=(0, 1)) -> Grid:
-    """Every layout parallax accepts (config.validate's rules) for `w` on n_devices, as arrays."""
+def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3), sequence=(0, 1), fp8: bool = False) -> Grid:
+    """Every layout parallax accepts for `w` on n_devices, as arrays. The enumeration proposes
+    (mesh factorizations, microbatch counts dividing a batch shard, schedules, repeats, ZeRO,
+    remat, sequence parallelism); `parallelism.legal`, the rules table every config is checked
+    with, decides. Left out as dominated, not illegal: microbatches on one stage but for 1F1B
+    (GPipe there only adds ticks) and sequence parallelism at tensor 1 (a no-op)."""
     m = w.model
     E = m.moe.num_experts
+    units = stack_length(m)
     rows = []
     for t, e in itertools.product(_divisors(n_devices), _divisors(E) if E else [1]):
-        if m.n_heads % t or m.n_kv_heads % t or m.d_ff % t or m.vocab_size % t or n_devices % (t * e):
+        if n_devices % (t * e):
             continue
-        if E and expert_d_ff(m) % t:
-            continue
-        units = stack_length(m)
         for p in _divisors(n_devices // (t * e)):
-            if stage_padding(units, p) is None:  # uneven stages are padded, up to a point
-                continue
             d = n_devices // (t * p * e)
-            if w.global_batch % (d * e):
+            if w.global_batch % (d * e):  # (the rule `batch`; the microbatches below divide a shard)
                 continue
-            shard_rows = w.global_batch // (d * e)
-            micro = [1] if p == 1 else [mb for mb in _divisors(shard_rows) if mb >= p]
-            micro += [mb for mb in _divisors(shard_rows) if p == 1 and mb > 1 and not E]  # 1F1B-only memory lever
-            for mb in micro:
-                # (config refuses MoE with 1F1B: GPipe and circular carry the router losses)
-                scheds = [(GPIPE, 1)] if (mb == 1 and p == 1) or E else [(GPIPE, 1), (ONE_F_ONE_B, 1)]
-                if p > 1 and mb % p == 0:
-                    scheds += [(CIRCULAR, r) for r in _divisors(-(-units // p))
-                               if r > 1 and stage_padding(units, p, r) is not None]
+            for mb in _divisors(w.global_batch // (d * e)):
+                if p == 1:
+                    scheds = [(GPIPE, 1)] if mb == 1 else [(ONE_F_ONE_B, 1)]
+                else:
+                    scheds = [(GPIPE, 1), (ONE_F_ONE_B, 1)] + [(CIRCULAR, r) for r in _divisors(-(-units // p)) if r > 1]
                 for (sched, r), zero, remat in itertools.product(scheds, zero_stages, range(len(REMATS))):
-                    if zero and m.d_model % d:  # ZeRO shards `embed` over data
-                        continue
-                    if sched == ONE_F_ONE_B and zero == 3:
-                        continue
-                    if p == 1 and mb > 1 and sched != ONE_F_ONE_B:
-                        continue
-                    for sp in (sequence if t > 1 and w.seq_len % t == 0 else (0,)):  # sequence parallelism
-                        rows.append((d, t, p, e, zero, mb, sched, r, remat, sp))
+                    for sp in (sequence if t > 1 else (0,)):
+                        rows.append((d, t, p, e, zero, mb, sched, r, remat, sp, 0))
     if not rows:
-        return Grid(*(np.zeros(0, int) for _ in range(10)))
+        return Grid(*(np.zeros(0, int) for _ in LAYOUT_FIELDS))
     a = np.asarray(rows, dtype=np.int64).T
-    return Grid(*a)
+    cfg = Config(model=m, train=TrainConfig(global_batch=w.global_batch, seq_len=w.seq_len),
+                 fp8=Fp8Config(enabled=fp8))
+    keep = legal(cfg, dict(zip(LAYOUT_FIELDS, a)))
+    return Grid(*a[:, keep])
 
 
 _FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
@@ -135,7 +129,7 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     peak = (dev.peak_fp8 or dev.peak_bf16) if fp8 else dev.peak_bf16
     rate = peak * dev.efficiency
     m_, sched = np.asarray(g.microbatches), np.asarray(g.schedule)
-    piped = (p > 1) | (m_ > 1)
+    piped = pipelined(p, m_)
     f1b = piped & (sched == ONE_F_ONE_B)
     t_blocks = hw["blocks"] / rate
     stretch = np.where(f1b, (m_ + p - 1) / m_, 1.0)  # 1F1B: busy work stretched by its bubble
@@ -172,11 +166,9 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     step = t_compute + exposed["tensor"] + exposed["pipe"] + exposed["data"] + exposed["expert"]
     flops = model_flops_per_step(w)
     mfu = flops / (n * dev.peak_bf16 * step)
-    r = np.asarray(g.repeats)
-    bubble = np.where(piped, (p - 1) / (np.where(sched == CIRCULAR, r, 1) * m_ + p - 1), 0.0)
     return {"memory": mem, "flops": hw, "compute_s": t_compute, "tensor_s": exposed["tensor"],
             "pipe_s": exposed["pipe"], "data_s": exposed["data"], "expert_s": exposed["expert"], "step_s": step,
-            "mfu": mfu, "bubble": bubble}
+            "mfu": mfu, "bubble": bubble(sched, p, m_, g.repeats)}
 
 
 @dataclass(frozen=True)
@@ -205,7 +197,7 @@ def _row(g: Grid, ev: dict, i: int) -> dict:
 def search(w: Workload, n_devices: int, dev: Device, per_host: int, attention: str = "xla", fp8: bool = False,
            top: int = 5, sequence=(0, 1)) -> Plan:
     started = time.perf_counter()
-    g = candidates(w, n_devices, sequence=sequence)
+    g = candidates(w, n_devices, sequence=sequence, fp8=fp8)
     if np.size(g.data) == 0:
         return Plan([], 0, 0, time.perf_counter() - started, [])
     ev = evaluate(w, g, dev, per_host, attention, fp8)

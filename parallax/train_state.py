@@ -18,14 +18,16 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallax.config import Config, ConfigError, stack_length
+from parallax.config import Config, ConfigError
+from parallax.expert_parallel import EXPERT_EXCHANGE
 from parallax.fp8 import FP8_COLLECTION, transformer_dot_generals
-from parallax.mesh import EXPERT, PIPE
 from parallax.model import Transformer, cross_entropy
 from parallax.optim import make_optimizer
 from parallax.pipeline_1f1b import make_1f1b_value_and_grad
-from parallax.pipeline import Schedule, is_pipelined, make_pipelined_apply, make_schedule, stage_specs, to_stages
-from parallax.sharding import Rules, compute_rules, logical_context, logical_shardings, make_rules, optimizer_rules
+from parallax.parallelism import Parallelism, Schedule
+from parallax.pipeline import make_pipelined_apply, stage_specs, to_stages
+from parallax.sharding import (Rules, compute_rules, logical_context, logical_shardings, make_rules, optimizer_rules,
+                               param_placer)
 
 
 @struct.dataclass
@@ -51,9 +53,9 @@ class Layout:
     schedule: Schedule | None  # the pipeline schedule; None when the stack is not pipelined
     # (params, tokens [B, T], FP8 collection (fm32) or None) -> (logits [B, T, V], MoE stats)
     apply: Callable[..., tuple[jax.Array, dict]]
-    pin_params: bool = False  # stored sharded over data (ZeRO-3): gather where used (sharding.py)
     # (params, batch) -> (loss, grads) for schedules that compute their own gradients (1F1B).
     value_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]] | None = None
+    parallelism: Parallelism | None = None  # the checked rules it was laid out under
 
     @property
     def param_shardings(self) -> Any:
@@ -89,21 +91,23 @@ def _init_params(model: Transformer, cfg: Config, rng: jax.Array, schedule: Sche
     return params
 
 
-def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None = None) -> Layout:
+def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = None,
+                model: Transformer | None = None) -> Layout:
+    """The layout of `cfg` on `mesh`. `par`: the layout's checked rules (parallelism.py); None
+    checks them here. Either way nothing unchecked is laid out."""
+    # Parallelism is injected into the model here: FP8 dots, ZeRO-3's placer, the expert exchange.
     model = model or Transformer(cfg.model, remat=cfg.parallel.remat, grad_dtype=cfg.parallel.grad_reduce_dtype,
+                                 placer=param_placer(cfg.parallel), exchange=EXPERT_EXCHANGE,
                                  **transformer_dot_generals(cfg.fp8))
     tx = make_optimizer(cfg)
     rules = compute_rules(cfg.parallel)
-    stages = mesh.shape[PIPE]
-    schedule = make_schedule(cfg.parallel, stages, stack_length(cfg.model)) if is_pipelined(cfg.parallel, stages) else None
-    if schedule is not None and cfg.model.dtype == "bfloat16" and mesh.devices.flat[0].platform == "cpu":
-        # XLA:CPU (jaxlib 0.10.2) aborts the process compiling a pipelined bf16 step: refuse first.
-        raise ConfigError("model.dtype='bfloat16' with a pipelined layout crashes XLA:CPU; use float32 on CPU")
-    if (cfg.model.moe.num_experts and cfg.model.moe.dispatch == "ragged" and mesh.shape[EXPERT] > 1
-            and mesh.devices.flat[0].platform == "cpu"):
-        # The expert > 1 ragged exchange needs ragged_all_to_all, which XLA:CPU rejects (jax #34755).
-        raise ConfigError("model.moe.dispatch='ragged' with mesh.expert > 1 needs ragged_all_to_all, which XLA:CPU "
-                          "cannot run; on CPU use model.moe.dispatch=capacity with capacity_factor=0 (dropless)")
+    # Laid out only once checked: every rule of parallelism.py for this mesh and platform.
+    if par is None:
+        par = Parallelism.of_mesh(cfg, mesh)
+    elif not par.matches(cfg, dict(mesh.shape)):
+        raise ConfigError(f"make_layout: the Parallelism given was checked for {par.sizes} and other parallel "
+                          f"settings, not for this config on mesh {dict(mesh.shape)}")
+    schedule = par.schedule
     logical_specs = nn.get_partition_spec(jax.eval_shape(lambda r: _init_boxed(model, cfg, r), jax.random.key(0)))
     param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
     value_and_grad = None
@@ -113,7 +117,8 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None 
         layer_specs = jax.tree.map(lambda s: s.spec, param_shardings["layers"])
         apply = make_pipelined_apply(model, schedule, mesh, layer_specs)
         if schedule.name == "1f1b":  # the forward-only `apply` (evaluation) runs it as GPipe
-            value_and_grad = make_1f1b_value_and_grad(model, schedule, mesh, layer_specs, cross_entropy)
+            value_and_grad = make_1f1b_value_and_grad(model, schedule, mesh, layer_specs, cross_entropy,
+                                                      par.batch_shards)
     else:
         def apply(params: Any, tokens: jax.Array, fp8: Any = None) -> tuple[jax.Array, dict]:
             variables = {"params": params, **({FP8_COLLECTION: fp8} if fp8 else {})}
@@ -133,25 +138,17 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, model: Transformer | None 
     )
     fp8_shardings = jax.tree.map(lambda _: replicated, fp8)
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, fp8=fp8_shardings)
-    return Layout(model, tx, mesh, rules, logical_specs, abstract, shardings, schedule, apply, cfg.parallel.zero >= 3, value_and_grad)
+    return Layout(model, tx, mesh, rules, logical_specs, abstract, shardings, schedule, apply, value_and_grad,
+                  parallelism=par)
 
 
 def init_state(cfg: Config, layout: Layout) -> TrainState:
     """Initialise parameters and optimizer state directly in their shardings."""
 
     def init(rng: jax.Array) -> TrainState:
-        with logical_context(layout.mesh, layout.rules, pin_params=layout.pin_params):
+        with logical_context(layout.mesh, layout.rules):
             params = _init_params(layout.model, cfg, rng, layout.schedule)
             fp8 = _init_fp8(layout.model, cfg, rng)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=layout.tx.init(params), fp8=fp8)
 
     return jax.jit(init, out_shardings=layout.state_shardings)(jax.random.key(cfg.train.seed))
-
-
-def bytes_per_device(tree: Any) -> int:
-    """Bytes one device holds of a tree of sharded arrays (measured on the first device's shards)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        device = leaf.sharding.device_set and min(leaf.sharding.device_set, key=lambda d: d.id)
-        total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
-    return total

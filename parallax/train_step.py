@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from parallax.config import Config
 from parallax.model import cross_entropy, moe_loss
 from parallax.fp8 import FP8_COLLECTION, fp8_metrics, fp8_variables, overwrite
-from parallax.optim import make_schedule
+from parallax.optim import make_lr_schedule
 from parallax.sharding import BATCH_AXES, logical_context
 from parallax.train_state import Layout, TrainState
 
@@ -37,7 +37,7 @@ def make_loss_fn(layout: Layout) -> Callable[[Any, Batch, Any], tuple[jax.Array,
     the cross-entropy plus the MoE routers' losses (model.moe_loss)."""
 
     def loss_fn(params: Any, batch: Batch, fp8: Any = None) -> tuple[jax.Array, Aux]:
-        with logical_context(layout.mesh, layout.rules, pin_params=layout.pin_params):
+        with logical_context(layout.mesh, layout.rules):
             # FP8 state enters as fm32 here, before any loop over layers, ticks or microbatches (fp8.py)
             logits, stats = layout.apply(params, batch["inputs"], fp8_variables(fp8).get(FP8_COLLECTION))
         ce = cross_entropy(logits, batch["targets"])
@@ -55,7 +55,7 @@ def make_value_and_grad(layout: Layout) -> Callable[[Any, Batch, Any], tuple[tup
     if layout.value_and_grad is not None:
 
         def own(params: Any, batch: Batch, fp8: Any) -> tuple[tuple[jax.Array, Aux], tuple[Any, Any]]:
-            with logical_context(layout.mesh, layout.rules, pin_params=layout.pin_params):
+            with logical_context(layout.mesh, layout.rules):
                 loss, grads = layout.value_and_grad(params, batch)
             return (loss, (loss, {})), (grads, fp8)
 
@@ -96,7 +96,7 @@ def make_sharded_value_and_grad(layout: Layout, shards: int) -> Callable[..., tu
     usual gradient all-reduce, after the backward pass instead of inside its layer loop.
     norms: `grad_sq_small` = mean over shards of |g_shard|^2 (batch B/n), `grad_sq_big` = |G|^2
     (batch B); their per-device partial sums over tensor-sharded parameters reduce as scalars.
-    Dense and MoE layers without the expert all-to-all only, no FP8 state (config.validate).
+    Dense and MoE layers without the expert all-to-all only, no FP8 state (parallelism.RULES).
     """
     rules = tuple((name, None if name in _BATCH_NAMES else axes) for name, axes in layout.rules)
     loss_fn = make_loss_fn(dataclasses.replace(layout, rules=rules))
@@ -140,9 +140,8 @@ def make_grad_fn(layout: Layout) -> Callable[[Any, Batch], tuple[jax.Array, Any]
 def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     value_and_grad = make_value_and_grad(layout)
     if cfg.train.noise_scale:  # per-shard gradients too; the metrics gain grad_sq_small/big
-        shards = layout.mesh.shape[BATCH_AXES[0]] * layout.mesh.shape[BATCH_AXES[1]]
-        value_and_grad = make_sharded_value_and_grad(layout, shards)
-    schedule = make_schedule(cfg)
+        value_and_grad = make_sharded_value_and_grad(layout, layout.parallelism.batch_shards)
+    schedule = make_lr_schedule(cfg)
 
     def update(state: TrainState, grads: Any, fp8_new: Any) -> tuple[Any, Any, Any]:
         updates, opt_state = layout.tx.update(grads, state.opt_state, state.params)

@@ -5,6 +5,8 @@ layer at a time, each slice against its own largest magnitude: scaled by the who
 maximum, an error in a layer whose gradients are much smaller than the largest layer's would
 pass. Every other leaf is compared as a whole. The bound is |got - ref| <= atol + rtol * max|ref|
 (per slice); the tolerances themselves are written down in BUILD_NOTES.md.
+
+Also here, as the other measurement of trees the tests share: `bytes_per_device`.
 """
 
 from __future__ import annotations
@@ -39,3 +41,12 @@ def tree_errors(got, ref, rtol: float, atol: float, only=None) -> list[tuple[str
 def assert_trees_close(got, ref, rtol: float, atol: float) -> None:
     bad = tree_errors(got, ref, rtol, atol)
     assert not bad, "\n".join(f"{name}: error {err:.3g} > bound {bound:.3g}" for name, err, bound in bad)
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes one device holds of a tree of sharded arrays (measured on the first device's shards)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        device = leaf.sharding.device_set and min(leaf.sharding.device_set, key=lambda d: d.id)
+        total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+    return total

@@ -17,7 +17,9 @@ import pytest
 from parallax.audit import FAST_COMPILE, collectives, compile_step, groups_to_axes, summarize
 from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
 from parallax.mesh import make_mesh
-from parallax.train_state import bytes_per_device, init_state, make_layout
+from parallax.train_state import init_state, make_layout
+
+from numerics import bytes_per_device
 
 MODEL = ModelConfig(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256)
 B, T, DATA, TENSOR = 8, 32, 4, 2
@@ -139,7 +141,7 @@ def test_replica_group_formats_map_to_mesh_axes():
 
 def test_zero3_gathers_weights_in_the_compute_dtype(tmp_path):
     """bfloat16 model under ZeRO-3: each weight is cast on its shard and all-gathered in bfloat16,
-    half the bytes of its float32 master (sharding.constrain_param). Read from the HLO right after
+    half the bytes of its float32 master (logical.constrain_param). Read from the HLO right after
     SPMD partitioning: XLA:CPU later promotes bfloat16 collectives to float32, so its compiled step
     still moves float32 (what the cost model's `cpu` platform counts)."""
     cfg = Config(mesh=MeshConfig(data=4, tensor=2), model=dataclasses.replace(MODEL, dtype="bfloat16"),

@@ -4,7 +4,7 @@ damaged checkpoints, structural changes, the NaN/inf guard.
 One uninterrupted CLI run (`reference`, in-process on the 8 simulated devices, data=4 x tensor=2)
 is the yardstick: every interrupted run of the same config must end on bit-identical parameters
 and log bit-identical losses (same mesh, same machine). Real process kills run the CLI in a
-subprocess; everything else calls `parallax.train.main` in-process to save interpreter start-ups.
+subprocess; everything else calls `parallax.cli.main` in-process to save interpreter start-ups.
 """
 
 import dataclasses
@@ -28,7 +28,7 @@ from parallax.config import (CheckpointConfig, Config, MeshConfig, ModelConfig, 
                              TrainConfig, apply_overrides, load_experiment)
 from parallax.mesh import available_devices, make_mesh
 from parallax.pipeline import to_layer_major
-from parallax.train import main
+from parallax.cli import main
 from parallax.train_state import init_state, make_layout
 from parallax.train_step import batch_sharding, make_train_step
 from test_equivalence import LOSS_RTOL, PARAM_ATOL

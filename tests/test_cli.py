@@ -2,7 +2,7 @@
 
 Every bad input must end with exactly one `parallax: error: ...` line on stderr that names the
 field or file and the constraint, exit status 2, no traceback (unless `--debug`), and must leave an
-existing workdir exactly as it was. The error cases run `parallax.train.main` in-process on the 8
+existing workdir exactly as it was. The error cases run `parallax.cli.main` in-process on the 8
 simulated CPU devices set up by conftest; all of them fail before anything is compiled.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from parallax.config import Config, ConfigError, apply_overrides
-from parallax.train import main
+from parallax.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "experiments" / "quickstart.py"
@@ -489,7 +489,7 @@ def test_config_errors_are_found_before_jax_starts(tmp_path, overrides, needles)
     """In a fresh process: the error comes before JAX is imported (100,000 simulated devices
     never answered) and before the workdir is created (~1 s, no compile)."""
     wd = tmp_path / "wd"
-    code = ("import sys; from parallax.train import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from parallax.cli import main; rc = main(sys.argv[1:]); "
             "print('jax imported:', 'jax' in sys.modules); sys.exit(rc)")
     env = {k: v for k, v in _cli_env().items()}
     proc = subprocess.run([sys.executable, "-c", code, "train", str(QUICKSTART), *_sets(*TINY, *overrides),

@@ -17,8 +17,7 @@ import pytest
 
 from parallax.audit import FAST_COMPILE, SCALAR_BYTES, audit, format_report
 from parallax.config import Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from parallax.cost import moe_capacity
-from parallax.moe import capacity
+from parallax.config import moe_capacity
 
 MOE = MoEConfig(num_experts=8, top_k=2)
 MODEL = ModelConfig(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256, moe=MOE)
@@ -74,7 +73,7 @@ def test_all_to_alls_two_each_way_per_moe_layer(audited):
     par = cfg.parallel
     moe_layers = m.n_layers // m.moe.every
     recomputed = par.remat != "none"
-    c = capacity(TRAIN.seq_len, m.moe.num_experts, m.moe.top_k, m.moe.capacity_factor)
+    c = moe_capacity(TRAIN.seq_len, m.moe.num_experts, m.moe.top_k, m.moe.capacity_factor)
     # one device's [B/(data expert), E, C, D] float32 slots (XLA:CPU keeps MoE collectives in f32)
     slots = TRAIN.global_batch // (mesh.data * mesh.expert) * m.moe.num_experts * c * m.d_model * 4
     runs = moe_layers  # MoE layer executions per step
@@ -132,9 +131,3 @@ def test_audit_report_shows_the_expert_axis(audited):
     assert "every collective is explained by the cost model" in text
     assert "MoE dispatch + combine" in text and "\n  expert   compiled" in text
     assert "part of a reduction XLA split" not in text  # nothing left unattributed
-
-
-@pytest.mark.parametrize("tokens,experts,k,cf", [(32, 8, 2, 1.25), (64, 4, 1, 2.0), (7, 64, 6, 1.0), (16, 8, 2, 0.0),
-                                                 (16, 8, 2, -1.0), (100, 3, 3, 100.0)])
-def test_capacity_without_jax_equals_moe_capacity(tokens, experts, k, cf):
-    assert moe_capacity(tokens, experts, k, cf) == capacity(tokens, experts, k, cf)

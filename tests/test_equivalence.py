@@ -114,7 +114,7 @@ def test_state_lives_in_its_shardings(sharded):
 
 def test_zero3_bf16_gathers_keep_loss_and_float32_gradients():
     """bfloat16 model: ZeRO-3 casts each weight on its shard and gathers it in bfloat16
-    (sharding.constrain_param); cast-then-gather equals gather-then-cast, and the gradients are
+    (logical.constrain_param); cast-then-gather equals gather-then-cast, and the gradients are
     reduced in float32. So loss and gradients equal ZeRO-0 on the same mesh (float32 gradients,
     same tolerances: only the reduction order differs)."""
     bf16 = dataclasses.replace(BASE, model=dataclasses.replace(BASE.model, dtype="bfloat16"))

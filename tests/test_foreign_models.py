@@ -12,15 +12,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import MeshConfig, ParallelConfig
-from parallax.mesh import make_mesh
+from parallax.logical import ShardingError, validate_rules
+from parallax.mesh import AXES, make_mesh
 from parallax.sharding import (
     DEFAULT_RULES,
     ParamLayout,
-    ShardingError,
     check,
     logical_shardings,
     make_rules,
-    validate_rules,
 )
 
 VOCAB, D_MODEL, D_FF, HEADS, HEAD_DIM = 256, 32, 64, 4, 8
@@ -613,6 +612,7 @@ def test_error_conflicting_rules(mesh, extra, old, new):
     abstract = _one_kernel(("embed", "mlp"))
     for call in (
         lambda: validate_rules(rules),
+        lambda: validate_rules(rules, AXES),
         lambda: validate_rules(rules, mesh),
         lambda: check(abstract, rules, mesh),
         lambda: check(abstract, rules),
@@ -635,7 +635,10 @@ def test_error_rule_names_unknown_mesh_axis(mesh):
     with pytest.raises(ShardingError, match=r"rule for 'mlp' names mesh axis 'model'"):
         check(_one_kernel(("embed", "mlp")), rules, mesh)
     with pytest.raises(ShardingError, match=r"'model'"):
-        validate_rules(rules)  # without a mesh, against parallax's four axes
+        check(_one_kernel(("embed", "mlp")), rules)  # without a mesh, against parallax's four axes
+    with pytest.raises(ShardingError, match=r"'model'"):
+        validate_rules(rules, AXES)  # against axis names given as names
+    assert validate_rules(rules)["mlp"] == ("model",)  # no mesh, no axis names: not checked
     # inside a tuple of axes too
     with pytest.raises(ShardingError, match=r"rule for 'batch' names mesh axis 'replica'"):
         validate_rules((("batch", ("data", "replica")),), mesh)

@@ -22,10 +22,11 @@ import pytest
 from flax.linen import fp8_ops
 from jax.sharding import PartitionSpec as P
 
-from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, validate
-from parallax.fp8 import FP8_COLLECTION, Fp8DotGeneral, combine, fp8_metrics, fp8_variables, overwrite
+from parallax import parallelism
+from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from parallax.fp8 import FP8_COLLECTION, Fp8DotGeneral, fp8_metrics, fp8_variables, overwrite
 from parallax.mesh import available_devices, make_mesh
-from parallax.train import main
+from parallax.cli import main
 from parallax.train_state import init_state, make_layout
 from parallax.train_step import batch_sharding, make_train_step
 
@@ -194,6 +195,12 @@ def test_zero_or_nonfinite_amax_keeps_the_previous_scale():
 # Combining uses: max, never sum, never last
 
 
+def combine(*states):
+    """States from separately differentiated microbatches -> one state: elementwise max (fp8.py's
+    docstring; never a sum, never the last one)."""
+    return jax.tree.map(lambda *xs: functools.reduce(jnp.maximum, xs), *states)
+
+
 def test_microbatch_amaxes_combine_by_max():
     """Three microbatches with amax 100, 1, 10 in one differentiated loop (as gradient accumulation
     or pipeline ticks would run them): the new history holds 100 for inputs and the largest output
@@ -322,7 +329,7 @@ TINY = Config(
 
 def _train(cfg, devices, steps=2):
     mesh = make_mesh(cfg.mesh, devices)  # devices None: all of them
-    validate(cfg, dict(mesh.shape))
+    parallelism.check(cfg, dict(mesh.shape))
     layout = make_layout(cfg, mesh)
     state = init_state(cfg, layout)
     rows = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
@@ -412,7 +419,7 @@ def test_bad_fp8_config_names_the_field(fp8, sizes, field):
     piped = ParallelConfig(microbatches=2, schedule="1f1b")
     cfg = dataclasses.replace(TINY, fp8=fp8, parallel=piped if sizes["pipe"] > 1 else ParallelConfig())
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as e:
-        validate(cfg, sizes)
+        parallelism.check(cfg, sizes)
     assert "\n" not in str(e.value)
 
 

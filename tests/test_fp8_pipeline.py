@@ -23,7 +23,8 @@ import jax
 import numpy as np
 import pytest
 
-from parallax.config import Config, Fp8Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig, validate
+from parallax import parallelism
+from parallax.config import Config, Fp8Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig
 from parallax.mesh import available_devices, make_mesh
 from parallax.train_state import init_state, make_layout
 from parallax.train_step import batch_sharding, make_train_step
@@ -56,7 +57,7 @@ REFERENCE = {  # recipe -> the one-device run it must equal
 def _train(cfg, devices):
     """(loss per step, FP8 state after step 1, FP8 state after STEPS) as numpy."""
     mesh = make_mesh(cfg.mesh, devices)
-    validate(cfg, dict(mesh.shape))
+    parallelism.check(cfg, dict(mesh.shape))
     layout = make_layout(cfg, mesh)
     state = init_state(cfg, layout)
     rows = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)

@@ -35,9 +35,10 @@ from parallax.config import Config, Fp8Config, MeshConfig, ModelConfig, Parallel
 from parallax.cost import Grid, Workload, collective_terms
 from parallax.fp8 import FP8_COLLECTION, Fp8DotGeneral, fp8_variables
 from parallax.layers import ParamUse
+from parallax.logical import ParamPlacement
 from parallax.mesh import make_mesh
 from parallax.model import Transformer, cross_entropy
-from parallax.sharding import ParamPlacement
+from parallax.sharding import param_placer
 from parallax.train_state import init_state, make_layout
 from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
 
@@ -198,7 +199,8 @@ def gradients():
         batch = jax.device_put({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, batch_sharding(mesh))
         params = None  # the same for every grad_dtype: initialised once
         for grad in grads:
-            layout = make_layout(cfg, mesh, model=Transformer(cfg.model, remat="full", grad_dtype=grad))
+            model = Transformer(cfg.model, remat="full", grad_dtype=grad, placer=param_placer(cfg.parallel))
+            layout = make_layout(cfg, mesh, model=model)
             params = init_state(cfg, layout).params if params is None else params
             loss, g = make_grad_fn(layout)(params, batch)
             out[dtype, grad] = float(loss), jax.tree.map(np.asarray, g)

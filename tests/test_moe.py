@@ -17,10 +17,10 @@ import pytest
 
 from parallax.audit import FAST_COMPILE, collectives, compile_step
 from parallax.config import (Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig,
-                             apply_overrides)
+                             apply_overrides, moe_capacity)
 from parallax.mesh import available_devices, make_mesh
 from parallax.model import Transformer, active_params, count_params, flops_per_token
-from parallax.moe import MoE, assign_slots, capacity, load_balancing_loss, route, router_z_loss
+from parallax.moe import MoE, assign_slots, load_balancing_loss, route, router_z_loss
 from parallax.pipeline import to_layer_major
 from parallax.sharding import logical_context
 from parallax.train_state import init_state, make_layout
@@ -64,9 +64,11 @@ def test_router_invariants(seed):
 
 
 def test_capacity():
-    assert capacity(32, 8, 2, 1.25) == 10  # ceil(1.25 * 32 * 2 / 8)
-    assert capacity(32, 8, 2, 0.0) == 32 == capacity(32, 8, 2, -1.0)  # dropless: one sequence's worth
-    assert capacity(4, 2, 1, 100.0) == 4  # never more than a sequence can send one expert
+    assert moe_capacity(32, 8, 2, 1.25) == 10  # ceil(1.25 * 32 * 2 / 8)
+    assert moe_capacity(32, 8, 2, 0.0) == 32 == moe_capacity(32, 8, 2, -1.0)  # dropless: one sequence's worth
+    assert moe_capacity(4, 2, 1, 100.0) == 4  # never more than a sequence can send one expert
+    assert moe_capacity(7, 64, 6, 1.0) == 1  # ceil(7 * 6 / 64)
+    assert moe_capacity(64, 4, 1, 2.0) == 32
 
 
 def test_drops_follow_router_probability_and_pass_through_the_residual():
@@ -76,7 +78,7 @@ def test_drops_follow_router_probability_and_pass_through_the_residual():
     p0 = np.array([0.9, 0.6, 0.8, 0.3])
     logits = jnp.asarray(np.log(np.stack([p0, 1 - p0], -1))[None], jnp.float32)  # [1, 4, 2]
     r = route(logits, 1, renormalize=True)
-    cap = capacity(4, 2, 1, 0.5)
+    cap = moe_capacity(4, 2, 1, 0.5)
     assert cap == 1
     slot, keep = assign_slots(r, 2, cap)
     np.testing.assert_array_equal(np.asarray(keep)[0, :, 0], [True, False, False, True])
@@ -164,7 +166,7 @@ def _grads(cfg: Config, devices=None, with_stats: bool = False):
     out = (float(loss), jax.tree.map(np.asarray, grads))
     if with_stats:
         def stats_of(params, inputs):
-            with logical_context(layout.mesh, layout.rules, pin_params=layout.pin_params):
+            with logical_context(layout.mesh, layout.rules):
                 return layout.apply(params, inputs)[1]
         out += (jax.tree.map(np.asarray, jax.jit(stats_of)(state.params, batch["inputs"])),)
     return out
@@ -232,7 +234,7 @@ def test_compiled_all_to_alls():
     n_moe = cfg.model.n_layers // cfg.model.moe.every
     assert sum(c.executions for c in a2a) == 4 * n_moe
     assert {c.axes for c in a2a} == {("expert",)}
-    e, cap = cfg.model.moe.num_experts, capacity(cfg.train.seq_len, 8, 2, 1.25)
+    e, cap = cfg.model.moe.num_experts, moe_capacity(cfg.train.seq_len, 8, 2, 1.25)
     slots = cfg.train.global_batch // (2 * 2) * e * cap * cfg.model.d_model * 4  # [B/(data expert), E, C, D] f32
     assert {c.bytes for c in a2a} == {slots}
     # Nothing is all-gathered (no ZeRO-3; routing stays local), and `expert` carries only the
@@ -267,7 +269,7 @@ def test_counts(every, shared):
 def test_cli_moe_run_logs_routing_metrics_per_layer(tmp_path, capsys):
     from pathlib import Path
 
-    from parallax.train import main
+    from parallax.cli import main
 
     quickstart = Path(__file__).resolve().parents[1] / "experiments" / "quickstart.py"
     sets = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
@@ -361,7 +363,7 @@ def test_ragged_model_data2_tensor2_equals_one_device(one_device, grouped_calls)
 def test_cli_refuses_ragged_with_expert_parallelism_on_cpu(tmp_path, capsys):
     from pathlib import Path
 
-    from parallax.train import main
+    from parallax.cli import main
 
     quickstart = Path(__file__).resolve().parents[1] / "experiments" / "quickstart.py"
     sets = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",

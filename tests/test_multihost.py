@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from parallax import distributed as dist
+from parallax import parallelism
 from parallax.config import ConfigError
 from parallax.mesh import dcn_shape
 
@@ -300,7 +301,7 @@ def test_slices_split_over_pipe_then_data():
 
 def test_cpu_devices_are_split_over_processes(monkeypatch):
     from parallax.config import MeshConfig, UserError
-    from parallax.train import configure_host_devices
+    from parallax.distributed import configure_host_devices
 
     cfg = type("C", (), {"mesh": MeshConfig(data=2, tensor=2, pipe=2)})()
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
@@ -315,9 +316,9 @@ def test_cpu_devices_are_split_over_processes(monkeypatch):
 @pytest.mark.parametrize("name, devices", [("multihost_ssh_8", 8), ("multihost_slurm_64", 64),
                                            ("multihost_tpu_512", 512)])
 def test_example_launch_configs_are_valid(name, devices):
-    from parallax.config import load_experiment, resolve_mesh_shape, validate
+    from parallax.config import load_experiment, resolve_mesh_shape
 
     cfg = load_experiment(REPO / "experiments" / f"{name}.py")
     sizes = resolve_mesh_shape(cfg.mesh, devices)
-    validate(cfg, sizes)
+    parallelism.check(cfg, sizes)
     assert sizes["data"] * sizes["tensor"] * sizes["pipe"] * sizes["expert"] == devices

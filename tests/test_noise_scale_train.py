@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 from parallax.audit import collectives
+from parallax import parallelism
 from parallax.config import (Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig,
-                             ParallelConfig, TrainConfig, validate)
+                             ParallelConfig, TrainConfig)
 from parallax.mesh import make_mesh
 from parallax.plan import noise_scale_from
-from parallax.train import main
+from parallax.cli import main
 from parallax.train_state import init_state, make_layout
 from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
 
@@ -176,9 +177,9 @@ def _sized(**mesh):
 def test_config_refuses_where_it_cannot_be_computed(change, sizes, needle):
     base = dataclasses.replace(CFG, parallel=ParallelConfig(),
                                train=dataclasses.replace(CFG.train, noise_scale=True))
-    validate(base, _sized())  # the tiny dense config is fine as it is
+    parallelism.check(base, _sized())  # the tiny dense config is fine as it is
     with pytest.raises(ConfigError) as e:
-        validate(dataclasses.replace(base, **change), sizes)
+        parallelism.check(dataclasses.replace(base, **change), sizes)
     message = str(e.value)
     assert message.startswith("train.noise_scale") and needle in message and "\n" not in message, message
 

@@ -8,13 +8,15 @@ import numpy as np
 import pytest
 
 from parallax.audit import collectives
-from parallax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, validate
+from parallax import parallelism
+from parallax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from parallax.mesh import available_devices, make_mesh
 from parallax.fp8 import padding_value
-from parallax.pipeline import Schedule, one_f_one_b_work, to_layer_major, to_stages, unit_mask
-from parallax.train_state import bytes_per_device, init_state, make_layout
+from parallax.parallelism import Schedule
+from parallax.pipeline import to_layer_major, to_stages, unit_mask
+from parallax.train_state import init_state, make_layout
 from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
-from numerics import assert_trees_close
+from numerics import assert_trees_close, bytes_per_device
 
 MODEL = ModelConfig(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256)
 B, T = 16, 32
@@ -51,7 +53,7 @@ def test_1f1b_table_order_and_memory_bound(p, m):
     fwd, bwd = {}, {}
     for t in range(sched.ticks):
         for s in range(p):
-            f_busy, i_f, b_busy, i_b = one_f_one_b_work(sched, t, s)
+            f_busy, i_f, b_busy, i_b = sched.one_f_one_b_work(t, s)
             if f_busy:
                 assert (i_f, s) not in fwd
                 fwd[(i_f, s)] = t
@@ -211,7 +213,7 @@ def test_no_stage_weight_gathers_and_gradients_reduced_once(pipeline_hlo):
 def test_bad_pipeline_config_names_the_field(layers, mesh, parallel, field):
     cfg = dataclasses.replace(BASE, mesh=mesh, parallel=parallel, model=dataclasses.replace(MODEL, n_layers=layers))
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        validate(cfg, dataclasses.asdict(mesh))
+        parallelism.check(cfg, dataclasses.asdict(mesh))
 
 
 def test_bf16_pipeline_is_refused_on_cpu():
@@ -264,7 +266,7 @@ def test_schedule_grid_matches_single_device(grid_reference, schedule, r, p, fac
 
 
 def test_circular_under_remat_matches_single_device(grid_reference):
-    """Each unit slices its weights inside its checkpoint (pipeline._stage_fn); `dots` takes the
+    """Each unit slices its weights inside its checkpoint (pipeline.stage_fn); `dots` takes the
     same path as `full` with another policy."""
     parallel = ParallelConfig(microbatches=4, schedule="circular", repeats=2, remat="full")
     cfg = dataclasses.replace(GRID, mesh=MeshConfig(data=1, pipe=2), parallel=parallel)

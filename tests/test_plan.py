@@ -10,7 +10,7 @@ import pytest
 
 from parallax.cost import Grid, Workload
 from parallax.plan import DEVICES, PRESETS, PUBLISHED, USABLE_MEMORY, cap_batch, compare_published, evaluate
-from parallax.train import main
+from parallax.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "experiments" / "quickstart.py")

@@ -46,7 +46,7 @@ def _sets(overrides):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two 3-step runs (one pipelined) and the audit of the first: {name: workdir}, audit path."""
-    from parallax.train import main
+    from parallax.cli import main
 
     root = tmp_path_factory.mktemp("runs")
     workdirs = {}

@@ -320,7 +320,7 @@ def test_out_of_memory_is_one_line_and_the_rerun_is_not_refused(tmp_path, capsys
     that start left behind holds no record, so the same command then trains (before 2026-12-01:
     an out-of-memory traceback, and an empty metrics.jsonl that made the rerun refuse)."""
     import parallax.train_step as train_step
-    from parallax.train import main
+    from parallax.cli import main
 
     real = train_step.make_train_step
 

@@ -21,14 +21,15 @@ import numpy as np
 import pytest
 
 from parallax.audit import FAST_COMPILE, audit, collectives, compile_step
+from parallax import parallelism
 from parallax.config import (Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig,
-                             ParallelConfig, TrainConfig, validate)
+                             ParallelConfig, TrainConfig)
 from parallax.cost import Grid, Workload, collective_terms
 from parallax.mesh import available_devices, make_mesh
 from parallax.pipeline import to_layer_major
 from parallax.plan import candidates
 from parallax.sharding import DEFAULT_RULES, compute_rules
-from parallax.train import main
+from parallax.cli import main
 from parallax.train_state import init_state, make_layout
 from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
 from numerics import assert_trees_close
@@ -50,7 +51,7 @@ def _batch(mesh):
 
 def _loss_grads(cfg, devices=None):
     mesh = make_mesh(cfg.mesh, devices)
-    validate(cfg, dict(mesh.shape))
+    parallelism.check(cfg, dict(mesh.shape))
     layout = make_layout(cfg, mesh)
     state = init_state(cfg, layout)
     loss, grads = make_grad_fn(layout)(state.params, _batch(mesh))
@@ -249,8 +250,8 @@ def test_compute_rules_shard_only_the_residual_length():
 def test_seq_len_must_divide_by_tensor_and_tensor_1_is_a_no_op():
     cfg = dataclasses.replace(BASE, parallel=SP, train=dataclasses.replace(BASE.train, seq_len=30))
     with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel.*train\.seq_len=30.*mesh\.tensor=4"):
-        validate(cfg, {"data": 2, "tensor": 4, "pipe": 1, "expert": 1})
-    validate(cfg, {"data": 8, "tensor": 1, "pipe": 1, "expert": 1})
+        parallelism.check(cfg, {"data": 2, "tensor": 4, "pipe": 1, "expert": 1})
+    parallelism.check(cfg, {"data": 8, "tensor": 1, "pipe": 1, "expert": 1})
 
 
 def test_cli_bad_seq_len_is_one_line_exit_2(tmp_path, capsys):

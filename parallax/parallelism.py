@@ -1,0 +1,424 @@
+"""The one owner of a layout's rules: what a config may ask of a mesh, and what follows from it.
+
+Pure Python and numpy, no JAX: the CLI checks a config before JAX starts, and the planner
+evaluates the same rules over every candidate layout at once.
+
+- `RULES` is the single table of cross-field and cross-axis constraints (the mesh against the
+  model, the batch, ZeRO, the pipeline schedules, MoE, FP8, sequence parallelism, the noise
+  scale) and of the platform guards (what XLA:CPU cannot compile or run); the data's own rules
+  are config.check_data's. Each rule is one predicate over a `View` of the config and the
+  layout, written with numpy operators so that it reads either one layout (scalars: `Parallelism.of` raises the first rule that fails, naming
+  the field) or a grid of them (arrays: `legal`, which `plan.candidates` filters with).
+- `Parallelism` is a validated layout: mesh sizes, ZeRO stage, remat, microbatches, schedule,
+  sequence parallelism, and what follows (batch shards, whether the stack is pipelined, the
+  pipeline `Schedule` with its work table, ticks and bubble). `train_state.make_layout` lays out
+  only a `Parallelism`, so an unchecked config cannot be laid out.
+- `pipelined`, `ticks` and `bubble` are the vectorised formulas that the cost model and the
+  planner read; `Schedule` computes its own from its table and the tests hold the two equal.
+
+Lifting a limit is one edit here: e.g. MoE with 1F1B is the rule "moe_1f1b" below (and, for
+what the program does, the pipeline schedule itself).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from parallax.config import Config, ConfigError, expert_d_ff, stack_length
+
+SCHEDULES = ("gpipe", "circular", "1f1b")
+REMATS = ("none", "full", "dots")
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+ZERO_STAGES = (0, 1, 3)
+COMPUTE_DTYPES = ("float32", "bfloat16")
+FP8_COMPUTE_DTYPES = ("float32", "bfloat16")  # what parallax/fp8.py quantises from and returns
+FP8_RECIPES = ("delayed", "current")
+MOE_DISPATCH = ("capacity", "ragged")
+GPIPE, CIRCULAR, ONE_F_ONE_B = range(3)
+NONE, FULL, DOTS = range(3)
+# The layout fields a grid varies (cost.Grid has the same names): mesh sizes, then the parallel
+# settings as integers (schedule, remat and grad_reduce as indices into the tuples above).
+LAYOUT_FIELDS = ("data", "tensor", "pipe", "expert", "zero", "microbatches", "schedule", "repeats", "remat",
+                 "sequence", "grad_reduce")
+
+
+# ----------------------------------------------------------------------------------------------
+# Formulas shared by the pipeline, the cost model and the planner (numpy-broadcasting)
+
+
+def pipelined(pipe: Any, microbatches: Any) -> Any:
+    """The block stack runs as a pipeline (stages, or microbatches on one stage)."""
+    return (np.asarray(pipe) > 1) | (np.asarray(microbatches) > 1)
+
+
+def ticks(schedule: Any, pipe: Any, microbatches: Any, repeats: Any) -> Any:
+    """Ticks of the tick loop: 1F1B runs M + 2(P-1) ticks of forward and backward together;
+    GPipe and circular R*M + P - 1 of each loop."""
+    p, m, r = np.asarray(pipe), np.asarray(microbatches), np.asarray(repeats)
+    return np.where(np.asarray(schedule) == ONE_F_ONE_B, m + 2 * (p - 1), r * m + p - 1)
+
+
+def bubble(schedule: Any, pipe: Any, microbatches: Any, repeats: Any) -> Any:
+    """The ideal bubble (P-1)/(R M + P - 1) (R = 1 but for circular); 0 when not pipelined.
+    `Schedule.bubble_fraction` counts it from the table instead (1F1B: with its tick model)."""
+    p, m = np.asarray(pipe), np.asarray(microbatches)
+    r = np.where(np.asarray(schedule) == CIRCULAR, repeats, 1)
+    return np.where(pipelined(p, m), (p - 1) / (r * m + p - 1), 0.0)
+
+
+def stage_padding(units: int, stages: int, repeats: int = 1) -> int | None:
+    """Uneven stages: identity slots that pad a stack of `units` to a multiple of P*R (at its end,
+    pipeline.to_stages); None when that would leave a stage with padding only."""
+    ok, padding = _stages_fill(units, stages, repeats)
+    return int(padding) if ok else None
+
+
+def _stages_fill(units: Any, stages: Any, repeats: Any) -> tuple[Any, Any]:
+    """(every stage holds a real layer, padding slots), vectorised."""
+    chunks = np.asarray(stages) * np.asarray(repeats)
+    padding = -np.asarray(units) % chunks
+    return padding < -(-np.asarray(units) // chunks) * np.asarray(repeats), padding
+
+
+# ----------------------------------------------------------------------------------------------
+# The pipeline schedule's table
+
+
+@dataclass(frozen=True)
+class Schedule:
+    stages: int  # P
+    microbatches: int  # M
+    repeats: int = 1  # R (chunks per stage)
+    name: str = "gpipe"
+    units: int = 0  # U, the scanned stack's length; 0: a multiple of R*P (no padding)
+
+    @property
+    def chunk_units(self) -> int:
+        """Lc: units per chunk, the stack padded up to a multiple of R*P (uneven stages)."""
+        return -(-self.units // (self.repeats * self.stages))
+
+    @property
+    def padding(self) -> int:
+        """Identity slots appended to the stack so that R*P chunks split it evenly."""
+        return self.chunk_units * self.repeats * self.stages - self.units if self.units else 0
+
+    @property
+    def ticks(self) -> int:
+        return int(ticks(SCHEDULES.index(self.name), self.stages, self.microbatches, self.repeats))
+
+    def work(self, tick: int, stage: int) -> tuple[bool, int, int]:
+        """(busy, microbatch, repeat) of `stage` at `tick` (GPipe/circular): stage s at tick t
+        works on item k = t - s of its queue, which visits microbatches in groups of P, each
+        group going round the ring R times."""
+        p, r, m = self.stages, self.repeats, self.microbatches
+        k = tick - stage
+        if not 0 <= k < r * m:
+            return False, 0, 0
+        group, rest = divmod(k, r * p)
+        return True, group * p + rest % p, rest // p
+
+    def one_f_one_b_work(self, tick: int, stage: int) -> tuple[bool, int, bool, int]:
+        """1F1B: (forward busy, its microbatch, backward busy, its microbatch) of `stage` at `tick`.
+
+        Forward of microbatch i on stage s at tick i + s; its loss head and backward start on the
+        last stage in the same tick, so the backward reaches stage s at tick i + 2(P-1) - s.
+        Ints, or traced arrays (pipeline_1f1b's tick loop reads the same table).
+        """
+        p, m = self.stages, self.microbatches
+        i_f, i_b = tick - stage, tick - 2 * (p - 1) + stage
+        return (i_f >= 0) & (i_f < m), i_f, (i_b >= 0) & (i_b < m), i_b
+
+    def idle_stage_ticks(self) -> int:
+        return sum(not self.work(t, s)[0] for t in range(self.ticks) for s in range(self.stages))
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle over total stage time, counted from the schedule table itself.
+
+        Time model: a backward costs twice a forward. GPipe/circular run a forward loop and a
+        backward loop of `ticks` ticks each, so this is idle stage-ticks over stage-ticks. 1F1B
+        ticks run in lockstep and skip idle halves, so a tick lasts as long as its busiest stage.
+        """
+        if self.name != "1f1b":
+            return self.idle_stage_ticks() / (self.ticks * self.stages)
+        total = 0
+        for t in range(self.ticks):
+            work = [self.one_f_one_b_work(t, s) for s in range(self.stages)]
+            total += max(int(f) + 2 * int(b) for f, _, b, _ in work)
+        return 1 - 3 * self.microbatches / total
+
+    def formula(self) -> float:
+        return float(bubble(SCHEDULES.index(self.name), self.stages, self.microbatches, self.repeats))
+
+
+# ----------------------------------------------------------------------------------------------
+# The rules
+
+
+class View:
+    """What the rules read: the layout fields as numpy values (scalars or a grid of arrays), the
+    rest of the config as it is, and the quantities every rule derives the same way."""
+
+    def __init__(self, cfg: Config, layout: dict[str, Any], platform: str):
+        self.cfg, self.m, self.platform = cfg, cfg.model, platform
+        for name in LAYOUT_FIELDS:
+            setattr(self, name, np.asarray(layout[name]))
+        self.dp = self.data * self.expert  # batch shards: outside MoE layers `expert` is data parallelism
+        self.piped = pipelined(self.pipe, self.microbatches)
+        self.f1b = self.piped & (self.schedule == ONE_F_ONE_B)
+        self.moe = bool(cfg.model.moe.num_experts)
+        self.units = stack_length(cfg.model)
+        self.cpu = platform == "cpu"
+
+    def sizes(self) -> str:
+        return f"mesh.data={self.data} x mesh.tensor={self.tensor} x mesh.pipe={self.pipe} x mesh.expert={self.expert}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One constraint: `ok(view)` is true where it holds (numpy-broadcasting); `says(view)`, for
+    one layout that breaks it, is the error line, naming the field first. `layout`: whether it
+    depends on the layout at all (the planner filters with these; the rest are the config's own)."""
+
+    name: str
+    ok: Callable[[View], Any]
+    says: Callable[[View], str]
+    layout: bool = True
+
+
+def _names(field: str, value: str, allowed: tuple[str, ...]) -> str:
+    quoted = [repr(a) for a in allowed]
+    return f"{field}: must be {', '.join(quoted[:-1])} or {quoted[-1]}, got {value!r}"
+
+
+def _tensor_divides(attr: str) -> Rule:
+    return Rule(f"tensor_{attr}", lambda v: getattr(v.m, attr) % v.tensor == 0,
+                lambda v: f"model.{attr}={getattr(v.m, attr)} must be divisible by mesh.tensor={v.tensor}")
+
+
+RULES: tuple[Rule, ...] = (
+    # names (a bad one makes its index -1 in the View, so it is checked before anything reads it)
+    Rule("dtype", lambda v: np.asarray(v.m.dtype in COMPUTE_DTYPES),
+         lambda v: _names("model.dtype", v.m.dtype, COMPUTE_DTYPES), layout=False),
+    Rule("zero", lambda v: np.isin(v.zero, ZERO_STAGES), lambda v: f"parallel.zero: must be 0, 1 or 3, got {v.zero}"),
+    Rule("remat", lambda v: v.remat >= 0, lambda v: _names("parallel.remat", v.cfg.parallel.remat, REMATS)),
+    Rule("schedule", lambda v: v.schedule >= 0,
+         lambda v: _names("parallel.schedule", v.cfg.parallel.schedule, SCHEDULES)),
+    Rule("grad_reduce", lambda v: v.grad_reduce >= 0,
+         lambda v: _names("parallel.grad_reduce_dtype", v.cfg.parallel.grad_reduce_dtype, GRAD_REDUCE_DTYPES)),
+    Rule("dispatch", lambda v: np.asarray(v.m.moe.dispatch in MOE_DISPATCH),
+         lambda v: _names("model.moe.dispatch", v.m.moe.dispatch, MOE_DISPATCH), layout=False),
+    Rule("fp8_recipe", lambda v: np.asarray(v.cfg.fp8.recipe in FP8_RECIPES),
+         lambda v: _names("fp8.recipe", v.cfg.fp8.recipe, FP8_RECIPES), layout=False),
+    # the model's own shapes
+    Rule("heads", lambda v: np.asarray(v.m.d_model % v.m.n_heads == 0),
+         lambda v: f"model.d_model={v.m.d_model} must be divisible by model.n_heads={v.m.n_heads}", layout=False),
+    Rule("kv_heads", lambda v: np.asarray(v.m.n_heads % v.m.n_kv_heads == 0),
+         lambda v: f"model.n_heads={v.m.n_heads} must be divisible by model.n_kv_heads={v.m.n_kv_heads}", layout=False),
+    Rule("rotary", lambda v: np.asarray((v.m.d_model // v.m.n_heads) % 2 == 0),
+         lambda v: f"model.d_model / model.n_heads = {v.m.d_model // v.m.n_heads} must be even (rotary)", layout=False),
+    # tensor parallelism: Megatron's column/row split of heads, kv heads, mlp and vocab
+    *(_tensor_divides(attr) for attr in ("n_heads", "n_kv_heads", "d_ff", "vocab_size")),
+    Rule("zero_embed", lambda v: (v.zero == 0) | (v.m.d_model % v.data == 0),
+         lambda v: f"model.d_model={v.m.d_model} must be divisible by mesh.data={v.data} for parallel.zero={v.zero} "
+                   "(states are sharded on the embed dimension)"),
+    # MoE over `expert`
+    Rule("expert_needs_moe", lambda v: v.moe | (v.expert == 1),
+         lambda v: f"mesh.expert={v.expert} needs MoE layers: set model.moe.num_experts (a multiple of mesh.expert), "
+                   "or use mesh.expert=1"),
+    Rule("moe_top_k", lambda v: np.asarray(not v.moe or 1 <= v.m.moe.top_k <= v.m.moe.num_experts),
+         lambda v: f"model.moe.top_k={v.m.moe.top_k} must be in 1..model.moe.num_experts={v.m.moe.num_experts}",
+         layout=False),
+    Rule("moe_every", lambda v: np.asarray(not v.moe or (v.m.moe.every >= 1 and v.m.n_layers % v.m.moe.every == 0)),
+         lambda v: f"model.moe.every={v.m.moe.every} must be >= 1 and divide model.n_layers={v.m.n_layers}",
+         layout=False),
+    Rule("moe_experts", lambda v: ~np.asarray(v.moe) | (v.m.moe.num_experts % v.expert == 0),
+         lambda v: f"model.moe.num_experts={v.m.moe.num_experts} must be divisible by mesh.expert={v.expert}"),
+    Rule("moe_d_ff", lambda v: ~np.asarray(v.moe) | (expert_d_ff(v.m) % v.tensor == 0),
+         lambda v: f"model.moe.d_ff={v.m.moe.d_ff} must be >= 0 (0: model.d_ff) with an expert hidden size "
+                   f"divisible by mesh.tensor={v.tensor}"),
+    # 1F1B computes its own gradients (pipeline_1f1b.py) and would need the router losses'
+    # cotangents per tick: the one place that refuses MoE with 1F1B.
+    Rule("moe_1f1b", lambda v: ~(np.asarray(v.moe) & v.f1b),
+         lambda v: "model.moe.num_experts: MoE layers run in the 'gpipe' and 'circular' pipeline schedules, "
+                   "not parallel.schedule='1f1b' (yet)"),
+    Rule("ragged_dropless", lambda v: np.asarray(not v.moe or v.m.moe.dispatch != "ragged"
+                                                 or v.m.moe.capacity_factor <= 0),
+         lambda v: "model.moe.dispatch='ragged' is dropless: set model.moe.capacity_factor=0 (or <= 0)", layout=False),
+    Rule("ragged_fp8", lambda v: np.asarray(not v.moe or v.m.moe.dispatch != "ragged" or not v.cfg.fp8.enabled),
+         lambda v: "model.moe.dispatch='ragged' has no FP8 expert matmuls: use dispatch=capacity with fp8.enabled",
+         layout=False),
+    # the pipeline over `pipe`
+    Rule("1f1b_zero", lambda v: ~((v.schedule == ONE_F_ONE_B) & (v.zero > 1)),
+         lambda v: f"parallel.zero={v.zero}: parallel.schedule='1f1b' supports ZeRO 0 and 1"),
+    Rule("repeats", lambda v: (v.repeats == 1) | (v.schedule == CIRCULAR),
+         lambda v: f"parallel.repeats={v.repeats} needs parallel.schedule='circular', got {v.cfg.parallel.schedule!r}"),
+    Rule("microbatches", lambda v: (v.pipe == 1) | (v.microbatches >= v.pipe),
+         lambda v: f"parallel.microbatches={v.microbatches} must be >= mesh.pipe={v.pipe}"),
+    Rule("circular_groups", lambda v: (v.schedule != CIRCULAR) | (v.microbatches % v.pipe == 0),
+         lambda v: f"parallel.microbatches={v.microbatches} must be a multiple of mesh.pipe={v.pipe} (circular)"),
+    Rule("stage_fill", lambda v: _stages_fill(v.units, v.pipe, v.repeats)[0],
+         lambda v: (f"model.n_layers={v.m.n_layers}" if v.units == v.m.n_layers else
+                    f"model.n_layers / model.moe.every = {v.units}")
+                   + f" is too few for mesh.pipe x parallel.repeats = {v.pipe} x {v.repeats}: padding the stack to a "
+                   f"multiple of {v.pipe * v.repeats} would leave a pipeline stage with no layer"),
+    # the batch over the batch axes (data x expert), and per microbatch
+    Rule("batch", lambda v: v.cfg.train.global_batch % v.dp == 0,
+         lambda v: f"train.global_batch={v.cfg.train.global_batch} must be divisible by mesh.data x mesh.expert = "
+                   f"{v.dp}"),
+    Rule("microbatch_rows", lambda v: (v.microbatches == 1) | (v.cfg.train.global_batch % (v.microbatches * v.dp) == 0),
+         lambda v: f"train.global_batch={v.cfg.train.global_batch} must be divisible by parallel.microbatches x "
+                   f"mesh.data x mesh.expert = {v.microbatches} x {v.dp}"),
+    # FP8
+    Rule("fp8_logits", lambda v: np.asarray(v.cfg.fp8.enabled or not v.cfg.fp8.logits),
+         lambda v: "fp8.logits=True needs fp8.enabled=True (it would be silently ignored)", layout=False),
+    Rule("fp8_dtype", lambda v: np.asarray(not v.cfg.fp8.enabled or v.m.dtype in FP8_COMPUTE_DTYPES),
+         lambda v: f"fp8.enabled: model.dtype={v.m.dtype!r} cannot be served (needs one of {FP8_COMPUTE_DTYPES})",
+         layout=False),
+    # 1F1B computes its own gradients; the FP8 state's "gradient" (its new value) is not threaded
+    # through its per-tick VJPs yet. GPipe and circular carry it (pipeline.py).
+    Rule("fp8_1f1b", lambda v: ~(np.asarray(v.cfg.fp8.enabled) & v.f1b),
+         lambda v: "fp8.enabled: runs in the 'gpipe' and 'circular' pipeline schedules, not "
+                   "parallel.schedule='1f1b' (yet)"),
+    # train.noise_scale needs two batch sizes, a batch shard's and the global batch's
+    Rule("noise_pipe", lambda v: ~(np.asarray(v.cfg.train.noise_scale) & v.piped),
+         lambda v: f"train.noise_scale: not with pipelining (mesh.pipe={v.pipe}, parallel.microbatches="
+                   f"{v.microbatches}); use mesh.pipe=1 and parallel.microbatches=1"),
+    Rule("noise_shards", lambda v: ~np.asarray(v.cfg.train.noise_scale) | (v.dp > 1),
+         lambda v: "train.noise_scale: needs mesh.data x mesh.expert > 1 (a batch shard smaller than the global "
+                   "batch is the second batch size)"),
+    # (the per-shard vmap cannot carry the expert all-to-all's shard_map)
+    Rule("noise_expert", lambda v: ~np.asarray(v.cfg.train.noise_scale) | (v.expert == 1),
+         lambda v: f"train.noise_scale: not with mesh.expert={v.expert} (yet); use mesh.expert=1"),
+    Rule("noise_ragged",
+         lambda v: np.asarray(not (v.cfg.train.noise_scale and v.moe and v.m.moe.dispatch == "ragged")),
+         lambda v: "train.noise_scale: not with model.moe.dispatch='ragged' (yet); use dispatch=capacity",
+         layout=False),
+    # (per-shard amaxes would change the quantisation of the full batch's tensors)
+    Rule("noise_fp8", lambda v: np.asarray(not (v.cfg.train.noise_scale and v.cfg.fp8.enabled)),
+         lambda v: "train.noise_scale: not with fp8.enabled (per-shard gradients would quantise with per-shard "
+                   "amaxes)", layout=False),
+    # sequence parallelism shards the residual stream's T over `tensor` (a no-op at tensor=1)
+    Rule("sequence", lambda v: (v.sequence == 0) | (v.tensor == 1) | (v.cfg.train.seq_len % v.tensor == 0),
+         lambda v: f"parallel.sequence_parallel: train.seq_len={v.cfg.train.seq_len} must be divisible by "
+                   f"mesh.tensor={v.tensor} (the residual stream is sharded over tensor on T)"),
+    # what XLA:CPU (jaxlib 0.10.2) cannot do
+    Rule("cpu_pipelined_bf16", lambda v: ~(np.asarray(v.cpu and v.m.dtype == "bfloat16") & v.piped),
+         lambda v: "model.dtype='bfloat16' with a pipelined layout crashes XLA:CPU; use float32 on CPU"),
+    # (the expert > 1 ragged exchange needs ragged_all_to_all, which XLA:CPU rejects: jax #34755)
+    Rule("cpu_ragged_exchange",
+         lambda v: ~np.asarray(v.cpu and v.moe and v.m.moe.dispatch == "ragged") | (v.expert == 1),
+         lambda v: "model.moe.dispatch='ragged' with mesh.expert > 1 needs ragged_all_to_all, which XLA:CPU cannot "
+                   "run; on CPU use model.moe.dispatch=capacity with capacity_factor=0 (dropless)"),
+)
+
+
+def layout_fields(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
+    """One layout's LAYOUT_FIELDS from a config and resolved mesh sizes (-1: a name not known)."""
+    p = cfg.parallel
+    index = lambda names, name: names.index(name) if name in names else -1  # noqa: E731
+    return {**{a: sizes[a] for a in ("data", "tensor", "pipe", "expert")}, "zero": p.zero,
+            "microbatches": p.microbatches, "schedule": index(SCHEDULES, p.schedule), "repeats": p.repeats,
+            "remat": index(REMATS, p.remat), "sequence": int(p.sequence_parallel),
+            "grad_reduce": index(GRAD_REDUCE_DTYPES, p.grad_reduce_dtype)}
+
+
+def legal(cfg: Config, grid: dict[str, Any], platform: str = "accelerator") -> Any:
+    """Where every layout rule holds, over a grid of LAYOUT_FIELDS arrays (the planner's filter);
+    the config-only rules are `Parallelism.of`'s to raise."""
+    v = View(cfg, grid, platform)
+    ok = np.ones(np.broadcast_shapes(*(np.shape(grid[k]) for k in LAYOUT_FIELDS)), bool)
+    for rule in RULES:
+        if rule.layout:
+            ok &= np.asarray(rule.ok(v), bool)
+    return ok
+
+
+def check(cfg: Config, sizes: dict[str, int], platform: str = "accelerator") -> None:
+    """Raise ConfigError for the first rule `cfg` breaks on a mesh of `sizes` (after every field's
+    own range, config.check_fields)."""
+    from parallax.config import check_fields
+
+    check_fields(cfg)
+    v = View(cfg, layout_fields(cfg, sizes), platform)
+    for rule in RULES:
+        if not bool(rule.ok(v)):
+            raise ConfigError(rule.says(v))
+
+
+# ----------------------------------------------------------------------------------------------
+# A checked layout
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """A layout that passed every rule: the mesh sizes, the parallel settings, what follows."""
+
+    data: int
+    tensor: int
+    pipe: int
+    expert: int
+    zero: int  # 0 replicated, 1 optimizer state over data, 3 parameters too
+    remat: str
+    microbatches: int
+    schedule_name: str
+    repeats: int
+    sequence_parallel: bool  # as configured; `sequence_sharded` says whether it does anything
+    grad_reduce_dtype: str
+    units: int  # the scanned stack's length (config.stack_length)
+    platform: str  # 'cpu', 'tpu', 'gpu' (or 'accelerator': unnamed, for planning)
+
+    @classmethod
+    def of(cls, cfg: Config, sizes: dict[str, int], platform: str = "accelerator") -> Parallelism:
+        """Check `cfg` on resolved mesh `sizes` for `platform`; raises ConfigError naming the field."""
+        check(cfg, sizes, platform)
+        p = cfg.parallel
+        return cls(sizes["data"], sizes["tensor"], sizes["pipe"], sizes["expert"], p.zero, p.remat, p.microbatches,
+                   p.schedule, p.repeats, p.sequence_parallel, p.grad_reduce_dtype, stack_length(cfg.model), platform)
+
+    @classmethod
+    def of_mesh(cls, cfg: Config, mesh: Any) -> Parallelism:
+        """For a `jax.sharding.Mesh` (read duck-typed: this module does not import JAX)."""
+        return cls.of(cfg, dict(mesh.shape), mesh.devices.flat[0].platform)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"data": self.data, "tensor": self.tensor, "pipe": self.pipe, "expert": self.expert}
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.sizes.values())
+
+    @property
+    def batch_shards(self) -> int:
+        """Devices the batch is split over: data x expert (outside MoE layers `expert` is data)."""
+        return self.data * self.expert
+
+    @property
+    def pipelined(self) -> bool:
+        return bool(pipelined(self.pipe, self.microbatches))
+
+    @property
+    def sequence_sharded(self) -> bool:
+        """Sequence parallelism in effect: asked for, and a tensor axis to shard T over."""
+        return self.sequence_parallel and self.tensor > 1
+
+    @property
+    def schedule(self) -> Schedule | None:
+        """The pipeline schedule, None when the stack is not pipelined."""
+        if not self.pipelined:
+            return None
+        return Schedule(self.pipe, self.microbatches, self.repeats, self.schedule_name, self.units)
+
+    def matches(self, cfg: Config, sizes: dict[str, int]) -> bool:
+        """Whether this was checked for `cfg`'s parallel settings on `sizes`."""
+        p = cfg.parallel
+        return self.sizes == dict(sizes) and (self.zero, self.remat, self.microbatches, self.schedule_name,
+                                              self.repeats, self.sequence_parallel, self.grad_reduce_dtype,
+                                              self.units) == (
+            p.zero, p.remat, p.microbatches, p.schedule, p.repeats, p.sequence_parallel, p.grad_reduce_dtype,
+            stack_length(cfg.model))
