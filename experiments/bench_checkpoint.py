@@ -56,13 +56,13 @@ if "jax" not in sys.modules and not any(p in os.environ.get("JAX_PLATFORMS", "")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from parallax.build import build  # noqa: E402
-from parallax.checkpoint import Checkpoints, make_meta  # noqa: E402
+from parallax.train.build import build  # noqa: E402
+from parallax.train.checkpoint import Checkpoints, make_meta  # noqa: E402
 from parallax.config import CheckpointConfig, MeshConfig, ModelConfig, load_experiment  # noqa: E402
-from parallax.data import make_global_batch, open_data  # noqa: E402
-from parallax.mesh import describe  # noqa: E402
-from parallax.model import count_params  # noqa: E402
-from parallax.train_state import init_state  # noqa: E402
+from parallax.train.data import make_global_batch, open_data  # noqa: E402
+from parallax.parallel.mesh import describe  # noqa: E402
+from parallax.model.transformer import count_params  # noqa: E402
+from parallax.train.train_state import init_state  # noqa: E402
 
 STALL_TARGET = 0.10
 QUICKSTART = Path(__file__).resolve().parent / "quickstart.py"

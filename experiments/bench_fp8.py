@@ -41,13 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parallax.build import build
+from parallax.train.build import build
 from parallax.config import Config, Fp8Config, MeshConfig, ModelConfig, OptimConfig, TrainConfig
-from parallax.fp8 import FP8_COLLECTION, Fp8DotGeneral
-from parallax.mesh import available_devices
-from parallax.metrics import mfu, peak_flops
-from parallax.model import count_params, flops_per_token
-from parallax.train_state import init_state
+from parallax.model.fp8 import FP8_COLLECTION, Fp8DotGeneral
+from parallax.parallel.mesh import available_devices
+from parallax.train.metrics import mfu, peak_flops
+from parallax.model.transformer import count_params, flops_per_token
+from parallax.train.train_state import init_state
 
 SPEEDUP_TARGET = 1.3
 MIN_FP8_GEMMS = 12  # 4 matmuls per block x (forward, input gradient, weight gradient)

@@ -18,7 +18,7 @@ Cases (CASES below; adding one is one line):
   router, dispatch/combine gathers and the batched expert matmuls. MFU counts activated FLOPs.
 
 Size (GPU): d_model 2048, 18 layers, 16 heads (head dim 128), 8 kv heads, SwiGLU d_ff 5632, vocab
-32000: 0.98B parameters (computed by `parallax.model.count_params`, printed). Batch 8 x 2048 =
+32000: 0.98B parameters (computed by `parallax.model.transformer.count_params`, printed). Batch 8 x 2048 =
 16,384 tokens per step (random tokens: speed, not learning), ~97 TFLOP per step (6N + causal
 attention). remat `dots`: jax.nn.dot_product_attention takes its XLA path here (not cuDNN flash),
 which would keep [N, T, T] scores per layer: about 160 GiB per device at this batch with remat none
@@ -111,10 +111,10 @@ def run_case(case: Case, tiny: bool, warmup: int, rounds: int, steps: int) -> di
     # One HLO parser and one single-device setup (random tokens) for both GPU scripts.
     from bench_fp8 import MIN_FP8_GEMMS, _setup, fp8_gemm_report
 
-    from parallax.cost import Grid, Workload, memory_parts
-    from parallax.mesh import available_devices
-    from parallax.metrics import mfu, peak_flops, tflops_per_device
-    from parallax.model import active_params, count_params, flops_per_token
+    from parallax.analysis.cost import Grid, Workload, memory_parts
+    from parallax.parallel.mesh import available_devices
+    from parallax.train.metrics import mfu, peak_flops, tflops_per_device
+    from parallax.model.transformer import active_params, count_params, flops_per_token
 
     cfg = make_config(case, tiny)
     device = available_devices(1)[0]
@@ -125,7 +125,7 @@ def run_case(case: Case, tiny: bool, warmup: int, rounds: int, steps: int) -> di
     compiled = train_step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     hlo = fp8_gemm_report(compiled.as_text())
-    mem = compiled.memory_analysis()  # as parallax.audit reads it: peak = arg + out - alias + temp
+    mem = compiled.memory_analysis()  # as parallax.analysis.audit reads it: peak = arg + out - alias + temp
     xla_peak = None if mem is None else int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                                             - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
     platform = "cpu" if device.platform == "cpu" else "accelerator"
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.worker_out).write_text(json.dumps(result, default=float))
         return 0
 
-    from parallax.distributed import has_accelerator  # does not import JAX
+    from parallax.train.distributed import has_accelerator  # does not import JAX
 
     env = dict(os.environ)
     if not args.tiny and not has_accelerator():

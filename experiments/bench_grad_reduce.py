@@ -35,12 +35,12 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from parallax.audit import collectives  # noqa: E402
-from parallax.build import build  # noqa: E402
+from parallax.analysis.audit import collectives  # noqa: E402
+from parallax.train.build import build  # noqa: E402
 from parallax.config import Config, load_experiment, stack_length  # noqa: E402
-from parallax.data import make_global_batch, open_data  # noqa: E402
-from parallax.mesh import make_mesh  # noqa: E402
-from parallax.train_state import init_state  # noqa: E402
+from parallax.train.data import make_global_batch, open_data  # noqa: E402
+from parallax.parallel.mesh import make_mesh  # noqa: E402
+from parallax.train.train_state import init_state  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SETTINGS = ("float32", "bfloat16")

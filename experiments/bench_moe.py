@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     from parallax.config import load_experiment
-    from parallax.model import active_params, count_params, flops_per_token
+    from parallax.model.transformer import active_params, count_params, flops_per_token
 
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: run(name, args.steps, Path(tmp) / name) for name in RUNS}

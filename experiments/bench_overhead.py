@@ -57,12 +57,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from parallax.build import build
+from parallax.train.build import build
 from parallax.config import Config, MeshConfig, ModelConfig, OptimConfig, TrainConfig
-from parallax.mesh import available_devices
-from parallax.model import Transformer, count_params, flops_per_token
-from parallax.optim import make_optimizer
-from parallax.train_state import init_state
+from parallax.parallel.mesh import available_devices
+from parallax.model.transformer import Transformer, count_params, flops_per_token
+from parallax.train.optim import make_optimizer
+from parallax.train.train_state import init_state
 
 STEP_TARGET = 1.03
 COMPILE_TARGET = 1.5

@@ -88,13 +88,13 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from parallax.build import build  # noqa: E402
+from parallax.train.build import build  # noqa: E402
 from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from parallax.mesh import describe, make_mesh  # noqa: E402
-from parallax.model import count_params  # noqa: E402
+from parallax.parallel.mesh import describe, make_mesh  # noqa: E402
+from parallax.model.transformer import count_params  # noqa: E402
 from parallax.parallelism import Schedule  # noqa: E402
-from parallax.train_state import init_state  # noqa: E402
-from parallax.train_step import batch_sharding  # noqa: E402
+from parallax.train.train_state import init_state  # noqa: E402
+from parallax.train.train_step import batch_sharding  # noqa: E402
 
 DATA, PIPE = 2, 4
 MEMORY_TARGET = 0.5

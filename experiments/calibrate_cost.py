@@ -1,4 +1,4 @@
-"""Calibrate the XLA:CPU memory constants of parallax/cost.py against compiled train steps.
+"""Calibrate the XLA:CPU memory constants of parallax/analysis/cost.py against compiled train steps.
 
     python experiments/calibrate_cost.py            # ~80 compiles, ~8 minutes on a 2-core CPU
     python experiments/calibrate_cost.py --quick    # 12 compiles, ~1.5 minutes
@@ -6,7 +6,7 @@
     python experiments/calibrate_cost.py --json out.json
 
 A script, not a test: it compiles each calibration layout ahead of time on 8 simulated CPU devices
-(`parallax.audit.compile_step`, no initialisation, nothing run), and prints XLA's peak memory
+(`parallax.analysis.audit.compile_step`, no initialisation, nothing run), and prints XLA's peak memory
 (arguments + unaliased outputs + temporaries) beside the cost model's parts, and the collective
 bytes per step beside the model's. The constants CPU_FULL_SAVED, CPU_WORKING, CPU_LOGITS and
 F1B_WORKING in cost.py were read off this table. The calibration model (d_model 64, d_ff 256,
@@ -26,7 +26,7 @@ if "jax" not in sys.modules:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from parallax.audit import FAST_COMPILE, audit  # noqa: E402
+from parallax.analysis.audit import FAST_COMPILE, audit  # noqa: E402
 from parallax.config import Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig  # noqa: E402
 
 MODEL = ModelConfig(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=256)

@@ -163,8 +163,8 @@ def main() -> int:
     import jax
     import numpy as np
 
-    from parallax.build import build
-    from parallax.checkpoint import Checkpoints
+    from parallax.train.build import build
+    from parallax.train.checkpoint import Checkpoints
     from parallax.config import apply_overrides, load_experiment
 
     cfg = apply_overrides(load_experiment(QUICKSTART), overrides(args))

@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args(argv)
 
-    from parallax.distributed import configure_host_devices
-    from parallax.loop import run
+    from parallax.train.distributed import configure_host_devices
+    from parallax.train.loop import run
 
     base = get_config()
     if args.steps:

@@ -53,12 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     from jax.experimental import topologies
 
-    from parallax.audit import collectives
-    from parallax.build import build
+    from parallax.analysis.audit import collectives
+    from parallax.train.build import build
     from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
-    from parallax.fp8 import transformer_dot_generals
-    from parallax.model import Transformer
-    from parallax.sharding import param_placer
+    from parallax.model.fp8 import transformer_dot_generals
+    from parallax.model.transformer import Transformer
+    from parallax.parallel.sharding import param_placer
 
     devices = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=H100_SXM,
                                            topology="1x1x8").devices

@@ -4,7 +4,7 @@ the published layout and MFU (and how parallax would run the published layout).
     python experiments/published_runs.py              # fused attention, as the published runs used
     python experiments/published_runs.py --attention xla   # parallax's attention today
 
-Pure arithmetic (parallax/plan.py over parallax/cost.py); seconds on a laptop.
+Pure arithmetic (parallax/analysis/plan.py over parallax/analysis/cost.py); seconds on a laptop.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from parallax.plan import PUBLISHED, compare_published
+from parallax.analysis.plan import PUBLISHED, compare_published
 
 
 def _layout(r: dict | None) -> str:

@@ -76,7 +76,7 @@ def read_metrics(workdir: Path) -> list[dict]:
 
 
 def read_saved_config(workdir: Path) -> dict | None:
-    """The flat config saved with the newest checkpoint (parallax.checkpoint.make_meta), if any."""
+    """The flat config saved with the newest checkpoint (parallax.train.checkpoint.make_meta), if any."""
     steps = sorted((p for p in (workdir / "checkpoints").glob("*/meta/metadata") if p.parts[-3].isdigit()),
                    key=lambda p: int(p.parts[-3]))
     for path in reversed(steps):

@@ -19,10 +19,10 @@ import traceback
 def main() -> int:
     signals = None
     if "train" in sys.argv[1:3]:  # watch SIGTERM/SIGINT before the imports: start-up has its one line too
-        from parallax.distributed import StopSignals
+        from parallax.train.distributed import StopSignals
 
         signals = StopSignals(restore=False).__enter__()
-    from parallax.distributed import error_prefix
+    from parallax.train.distributed import error_prefix
     from parallax.cli import main as cli_main
 
     try:

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from parallax.config import Config, UserError, apply_overrides, check_data, check_fields, default_workdir, load_experiment, \
     resolve_mesh_shape
-from parallax.distributed import (StopSignals, accelerator_platform, configure_host_devices, error_prefix, initialize,
+from parallax.train.distributed import (StopSignals, accelerator_platform, configure_host_devices, error_prefix, initialize,
                                   known_device_count, process_spec)
-from parallax.loop import TrainingDiverged, check_workdir_path, run
+from parallax.train.loop import TrainingDiverged, check_workdir_path, run
 from parallax.parallelism import check
 
 EXIT_USAGE = 2
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None, signals: StopSignals | None = None) -> i
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
-    from parallax.audit import add_audit_parser, audit_command  # neither imports JAX at module load
-    from parallax.plan import add_plan_parser, plan_command
+    from parallax.analysis.audit import add_audit_parser, audit_command  # neither imports JAX at module load
+    from parallax.analysis.plan import add_plan_parser, plan_command
 
     add_audit_parser(sub)
     add_plan_parser(sub)

@@ -40,7 +40,7 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Mixture-of-Experts FFN (parallax/moe.py) in every `every`-th block; num_experts=0 is dense."""
+    """Mixture-of-Experts FFN (parallax/model/moe.py) in every `every`-th block; num_experts=0 is dense."""
 
     num_experts: int = 0  # E
     top_k: int = 2  # experts per token
@@ -72,7 +72,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """FP8 matmuls with per-tensor scaling (parallax/fp8.py)."""
+    """FP8 matmuls with per-tensor scaling (parallax/model/fp8.py)."""
 
     enabled: bool = False
     recipe: str = "delayed"  # delayed (amax history) | current (this step's amax)

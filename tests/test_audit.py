@@ -14,10 +14,10 @@ import jax
 import numpy as np
 import pytest
 
-from parallax.audit import FAST_COMPILE, collectives, compile_step, groups_to_axes, summarize
+from parallax.analysis.audit import FAST_COMPILE, collectives, compile_step, groups_to_axes, summarize
 from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
-from parallax.mesh import make_mesh
-from parallax.train_state import init_state, make_layout
+from parallax.parallel.mesh import make_mesh
+from parallax.train.train_state import init_state, make_layout
 
 from numerics import bytes_per_device
 

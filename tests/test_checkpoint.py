@@ -23,14 +23,14 @@ import jax
 import numpy as np
 import pytest
 
-from parallax.checkpoint import DAMAGED_DIR, Checkpoints, make_meta
+from parallax.train.checkpoint import DAMAGED_DIR, Checkpoints, make_meta
 from parallax.config import (CheckpointConfig, Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig,
                              TrainConfig, apply_overrides, load_experiment)
-from parallax.mesh import available_devices, make_mesh
-from parallax.pipeline import to_layer_major
+from parallax.parallel.mesh import available_devices, make_mesh
+from parallax.parallel.pipeline import to_layer_major
 from parallax.cli import main
-from parallax.train_state import init_state, make_layout
-from parallax.train_step import batch_sharding, make_train_step
+from parallax.train.train_state import init_state, make_layout
+from parallax.train.train_step import batch_sharding, make_train_step
 from test_equivalence import LOSS_RTOL, PARAM_ATOL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -292,7 +292,7 @@ def test_a_failed_metrics_write_saves_first_and_the_rerun_loses_nothing(referenc
     (no partial JSON line), the state is saved with that record, and one line says so (exit 2);
     the same command then resumes, writes the saved record, and ends as the reference run did,
     each step once in metrics.jsonl."""
-    import parallax.metrics as metrics
+    import parallax.train.metrics as metrics
 
     real = metrics._write_all
 
@@ -540,7 +540,7 @@ def test_guard_leaves_the_state_unchanged(source):
 def test_a_save_runs_its_background_threads_at_checkpoint_background_nice(tmp_path, monkeypatch, nice):
     """The writer thread and the threads a save starts (Orbax's, tensorstore's pool) run at
     checkpoint.background_nice, so that the write takes idle host cycles rather than the step's."""
-    import parallax.checkpoint as checkpoint
+    import parallax.train.checkpoint as checkpoint
 
     cfg = dataclasses.replace(_reshard_config(MeshConfig(data=1), ParallelConfig()),
                               checkpoint=CheckpointConfig(background_nice=nice))
@@ -580,7 +580,7 @@ def test_a_snapshot_is_in_host_memory_and_holds_each_element_once():
     """ZeRO-1 on data=4 x tensor=2 replicates the parameters over data: on the devices they take
     4x their size. The snapshot a save takes is in pinned host memory and holds every element
     once (each replica keeps a different piece), and its values are the state's."""
-    from parallax.checkpoint import DiskForm, make_snapshot
+    from parallax.train.checkpoint import DiskForm, make_snapshot
 
     cfg = _reshard_config(MeshConfig(data=4, tensor=2), ParallelConfig(zero=1))
     layout = make_layout(cfg, make_mesh(cfg.mesh))
@@ -607,7 +607,7 @@ def test_an_error_in_the_writer_is_raised_by_the_next_wait(tmp_path, monkeypatch
     CLI, as every CheckpointError)."""
     from jax._src.dispatch import BACKEND_COMPILE_EVENT  # "/jax/core/compile/backend_compile_duration"
 
-    from parallax.checkpoint import CheckpointError
+    from parallax.train.checkpoint import CheckpointError
 
     cfg = _reshard_config(MeshConfig(data=1), ParallelConfig())
     mesh = make_mesh(cfg.mesh, available_devices(1))

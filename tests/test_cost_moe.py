@@ -1,4 +1,4 @@
-"""The cost model (parallax/cost.py) against the compiled MoE step, on 8 simulated CPU devices.
+"""The cost model (parallax/analysis/cost.py) against the compiled MoE step, on 8 simulated CPU devices.
 
 Each layout is compiled once ahead of time (audit.compile_step, cached) and `audit.audit` sets the
 compiled HLO beside the model, as tests/test_cost_validation.py does for dense layouts:
@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 
-from parallax.audit import FAST_COMPILE, SCALAR_BYTES, audit, format_report
+from parallax.analysis.audit import FAST_COMPILE, SCALAR_BYTES, audit, format_report
 from parallax.config import Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from parallax.config import moe_capacity
 

@@ -1,4 +1,4 @@
-"""The cost model (parallax/cost.py) against the compiler, on 8 simulated CPU devices.
+"""The cost model (parallax/analysis/cost.py) against the compiler, on 8 simulated CPU devices.
 
 For each layout the train step is compiled once ahead of time (audit.compile_step, shared with
 tests/test_audit.py) and `audit.audit` sets the compiled HLO beside the model:
@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 
-from parallax.audit import FAST_COMPILE, audit
+from parallax.analysis.audit import FAST_COMPILE, audit
 from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
 
 # tests/test_audit.py's layouts: the same Config objects hit the same compile.

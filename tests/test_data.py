@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import Config, DataConfig, TrainConfig
-from parallax.data import (
+from parallax.train.data import (
     Batcher,
     DataError,
     load_token_file,
@@ -150,7 +150,7 @@ def test_size_not_multiple_of_dtype(tmp_path):
 
 
 def test_id_out_of_vocab(tmp_path, monkeypatch):
-    monkeypatch.setattr("parallax.data._SCAN_CHUNK", 64)  # the bad id sits in a later chunk
+    monkeypatch.setattr("parallax.train.data._SCAN_CHUNK", 64)  # the bad id sits in a later chunk
     ids = np.zeros(1000, np.uint16)
     ids[700] = 300
     path = tmp_path / "big.bin"

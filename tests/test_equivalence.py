@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from parallax.config import Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from parallax.mesh import available_devices, make_mesh
-from parallax.train_state import init_state, make_layout
-from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
+from parallax.parallel.mesh import available_devices, make_mesh
+from parallax.train.train_state import init_state, make_layout
+from parallax.train.train_step import batch_sharding, make_grad_fn, make_train_step
 from numerics import assert_trees_close
 
 # fp32 everywhere; only the order of floating-point reductions differs between layouts.

@@ -1,5 +1,5 @@
 """Foreign Flax models (Linen and NNX, written here in the style of Flax's own examples, no parallax
-layers) laid out by `parallax.sharding.check` with `DEFAULT_RULES` on a (data=2, tensor=2, pipe=2)
+layers) laid out by `parallax.parallel.sharding.check` with `DEFAULT_RULES` on a (data=2, tensor=2, pipe=2)
 mesh and trained one step; plus every error `check` and the rules table must raise."""
 
 import flax.linen as nn
@@ -12,9 +12,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import MeshConfig, ParallelConfig
-from parallax.logical import ShardingError, validate_rules
-from parallax.mesh import AXES, make_mesh
-from parallax.sharding import (
+from parallax.model.logical import ShardingError, validate_rules
+from parallax.parallel.mesh import AXES, make_mesh
+from parallax.parallel.sharding import (
     DEFAULT_RULES,
     ParamLayout,
     check,

@@ -1,4 +1,4 @@
-"""FP8 matmuls (parallax/fp8.py): Flax as an oracle, quantisation error bounds, outliers, amax
+"""FP8 matmuls (parallax/model/fp8.py): Flax as an oracle, quantisation error bounds, outliers, amax
 combination across uses and devices, the train step's FP8 state on two layouts, config errors.
 
 Tolerances (also in the final report): Flax oracle rtol 1e-6 (observed: bit-identical); error
@@ -24,11 +24,11 @@ from jax.sharding import PartitionSpec as P
 
 from parallax import parallelism
 from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from parallax.fp8 import FP8_COLLECTION, Fp8DotGeneral, fp8_metrics, fp8_variables, overwrite
-from parallax.mesh import available_devices, make_mesh
+from parallax.model.fp8 import FP8_COLLECTION, Fp8DotGeneral, fp8_metrics, fp8_variables, overwrite
+from parallax.parallel.mesh import available_devices, make_mesh
 from parallax.cli import main
-from parallax.train_state import init_state, make_layout
-from parallax.train_step import batch_sharding, make_train_step
+from parallax.train.train_state import init_state, make_layout
+from parallax.train.train_step import batch_sharding, make_train_step
 
 REPO = Path(__file__).resolve().parents[1]
 DOT_2D = (((1,), (0,)), ((), ()))

@@ -25,9 +25,9 @@ import pytest
 
 from parallax import parallelism
 from parallax.config import Config, Fp8Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig
-from parallax.mesh import available_devices, make_mesh
-from parallax.train_state import init_state, make_layout
-from parallax.train_step import batch_sharding, make_train_step
+from parallax.parallel.mesh import available_devices, make_mesh
+from parallax.train.train_state import init_state, make_layout
+from parallax.train.train_step import batch_sharding, make_train_step
 from numerics import tree_errors
 
 STEPS = 3

@@ -30,17 +30,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallax.audit import FAST_COMPILE, collectives, compile_step
+from parallax.analysis.audit import FAST_COMPILE, collectives, compile_step
 from parallax.config import Config, Fp8Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
-from parallax.cost import Grid, Workload, collective_terms
-from parallax.fp8 import FP8_COLLECTION, Fp8DotGeneral, fp8_variables
-from parallax.layers import ParamUse
-from parallax.logical import ParamPlacement
-from parallax.mesh import make_mesh
-from parallax.model import Transformer, cross_entropy
-from parallax.sharding import param_placer
-from parallax.train_state import init_state, make_layout
-from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
+from parallax.analysis.collectives import collective_terms
+from parallax.analysis.cost import Grid, Workload
+from parallax.model.fp8 import FP8_COLLECTION, Fp8DotGeneral, fp8_variables
+from parallax.model.layers import ParamUse
+from parallax.model.logical import ParamPlacement
+from parallax.parallel.mesh import make_mesh
+from parallax.model.transformer import Transformer, cross_entropy
+from parallax.parallel.sharding import param_placer
+from parallax.train.train_state import init_state, make_layout
+from parallax.train.train_step import batch_sharding, make_grad_fn, make_train_step
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=256, dtype="bfloat16")
 B, T, DATA, TENSOR = 8, 16, 4, 2

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from parallax import metrics
+from parallax.train import metrics
 
 
 @pytest.mark.parametrize("kind, bf16, fp8", [

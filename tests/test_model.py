@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from parallax.config import Config, MeshConfig, ModelConfig, TrainConfig
-from parallax.mesh import available_devices, make_mesh
-from parallax.model import count_params, flops_per_token
-from parallax.train_state import init_state, make_layout
-from parallax.train_step import batch_sharding, make_grad_fn
+from parallax.parallel.mesh import available_devices, make_mesh
+from parallax.model.transformer import count_params, flops_per_token
+from parallax.train.train_state import init_state, make_layout
+from parallax.train.train_step import batch_sharding, make_grad_fn
 
 MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=256)
 CFG = Config(mesh=MeshConfig(data=1), model=MODEL, train=TrainConfig(global_batch=4, seq_len=16, seed=1))

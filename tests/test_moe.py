@@ -15,16 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallax.audit import FAST_COMPILE, collectives, compile_step
+from parallax.analysis.audit import FAST_COMPILE, collectives, compile_step
 from parallax.config import (Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig,
                              apply_overrides, moe_capacity)
-from parallax.mesh import available_devices, make_mesh
-from parallax.model import Transformer, active_params, count_params, flops_per_token
-from parallax.moe import MoE, assign_slots, load_balancing_loss, route, router_z_loss
-from parallax.pipeline import to_layer_major
-from parallax.sharding import logical_context
-from parallax.train_state import init_state, make_layout
-from parallax.train_step import batch_sharding, make_grad_fn
+from parallax.parallel.mesh import available_devices, make_mesh
+from parallax.model.transformer import Transformer, active_params, count_params, flops_per_token
+from parallax.model.moe import MoE, assign_slots, load_balancing_loss, route, router_z_loss
+from parallax.parallel.pipeline import to_layer_major
+from parallax.parallel.sharding import logical_context
+from parallax.train.train_state import init_state, make_layout
+from parallax.train.train_step import batch_sharding, make_grad_fn
 from numerics import assert_trees_close
 
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-4, 1e-6
@@ -299,7 +299,7 @@ RAGGED = dataclasses.replace(BASE.model.moe, dispatch="ragged")  # E=8, k=2, dro
 
 def _layer_outputs_and_grads(layer, params, x, mesh=None):
     """(y, d/d(x, params) of sum(sin(y))) of one MoE layer, jitted; under `mesh` if given."""
-    from parallax.sharding import DEFAULT_RULES
+    from parallax.parallel.sharding import DEFAULT_RULES
 
     def loss(x, p):
         if mesh is None:
@@ -335,7 +335,7 @@ def capacity_layer_reference():
 @pytest.fixture
 def grouped_calls(monkeypatch):
     """Counts traces of the grouped matmul: proof that `dispatch='ragged'` took the ragged path."""
-    import parallax.moe as moe
+    import parallax.model.moe as moe
 
     calls, inner = [], moe.grouped_swiglu
     monkeypatch.setattr(moe, "grouped_swiglu", lambda *a: calls.append(1) or inner(*a))
@@ -401,7 +401,7 @@ def test_ragged_expert_exchange_offsets_with_emulated_collective(capacity_layer_
     """The expert > 1 ragged exchange (counts all_to_all, offsets, regrouping by local expert, the
     way back) on CPU, with ragged_all_to_all replaced by an emulation of its documented semantics.
     What this cannot check (the real collective, its transpose) is the GPU test's job below."""
-    import parallax.expert_parallel as ep
+    import parallax.parallel.expert_parallel as ep
 
     moved = []  # traces of the collective: there and back, in the forward pass
     monkeypatch.setattr(ep, "ragged_all_to_all", lambda *a, **k: moved.append(1) or _emulated_ragged_all_to_all(*a, **k))
@@ -424,8 +424,8 @@ def _gpus():
 def test_ragged_expert_exchange_on_gpu(capacity_layer_reference):
     """The real ragged_all_to_all, forward and backward, with experts over every GPU (on one GPU
     the exchange is forced at expert=1: each device sends to itself)."""
-    import parallax.expert_parallel as ep
-    from parallax.moe import Exchange
+    import parallax.parallel.expert_parallel as ep
+    from parallax.model.moe import Exchange
 
     gpus = _gpus()
     n = max(d for d in (1, 2, 4, 8) if d <= len(gpus))

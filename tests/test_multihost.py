@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from parallax import distributed as dist
+from parallax.train import distributed as dist
 from parallax import parallelism
 from parallax.config import ConfigError
-from parallax.mesh import dcn_shape
+from parallax.parallel.mesh import dcn_shape
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "experiments" / "quickstart.py"
@@ -161,12 +161,12 @@ def test_errors_name_the_process(runs, tmp_path):
 
 MESH_SCRIPT = """
 import json
-from parallax.distributed import initialize, process_spec
+from parallax.train.distributed import initialize, process_spec
 initialize(process_spec(), None)  # from PARALLAX_* env
 from parallax.config import MeshConfig
-from parallax.data import process_rows
-from parallax.mesh import make_mesh
-from parallax.train_step import batch_sharding
+from parallax.train.data import process_rows
+from parallax.parallel.mesh import make_mesh
+from parallax.train.train_step import batch_sharding
 mesh = make_mesh(MeshConfig(data=2, tensor=4))
 groups = mesh.devices.transpose(0, 2, 3, 1).reshape(-1, mesh.shape["tensor"])  # [data, tensor, pipe, expert] -> [., tensor]
 print(json.dumps({"groups": [[d.process_index for d in g] for g in groups],
@@ -301,7 +301,7 @@ def test_slices_split_over_pipe_then_data():
 
 def test_cpu_devices_are_split_over_processes(monkeypatch):
     from parallax.config import MeshConfig, UserError
-    from parallax.distributed import configure_host_devices
+    from parallax.train.distributed import configure_host_devices
 
     cfg = type("C", (), {"mesh": MeshConfig(data=2, tensor=2, pipe=2)})()
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")

@@ -9,7 +9,7 @@ mean per-replica squared norm and the squared norm of the global mean.
 import numpy as np
 import pytest
 
-from parallax.metrics import NoiseScale, noise_scale_terms
+from parallax.train.metrics import NoiseScale, noise_scale_terms
 
 
 @pytest.mark.parametrize("per_replica,true_scale", [(4, 100.0), (16, 30.0)])

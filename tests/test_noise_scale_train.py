@@ -17,15 +17,15 @@ import jax
 import numpy as np
 import pytest
 
-from parallax.audit import collectives
+from parallax.analysis.audit import collectives
 from parallax import parallelism
 from parallax.config import (Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig,
                              ParallelConfig, TrainConfig)
-from parallax.mesh import make_mesh
-from parallax.plan import noise_scale_from
+from parallax.parallel.mesh import make_mesh
+from parallax.analysis.plan import noise_scale_from
 from parallax.cli import main
-from parallax.train_state import init_state, make_layout
-from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
+from parallax.train.train_state import init_state, make_layout
+from parallax.train.train_step import batch_sharding, make_grad_fn, make_train_step
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "experiments" / "quickstart.py")

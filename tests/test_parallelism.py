@@ -11,9 +11,9 @@ import pytest
 from parallax import parallelism
 from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, \
     TrainConfig
-from parallax.cost import Workload
+from parallax.analysis.cost import Workload
 from parallax.parallelism import LAYOUT_FIELDS, RULES, SCHEDULES, Parallelism, Schedule, bubble, legal, ticks
-from parallax.plan import candidates
+from parallax.analysis.plan import candidates
 
 DENSE = ModelConfig(d_model=64, n_layers=6, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256)
 MOE = dataclasses.replace(DENSE, moe=MoEConfig(num_experts=4, every=2))
@@ -117,8 +117,8 @@ def test_platform_guards_apply_to_cpu_only():
 
 
 def test_make_layout_lays_out_only_checked_layouts():
-    from parallax.mesh import make_mesh
-    from parallax.train_state import make_layout
+    from parallax.parallel.mesh import make_mesh
+    from parallax.train.train_state import make_layout
 
     cfg = Config(model=DENSE, mesh=MeshConfig(data=8), train=TrainConfig(global_batch=16, seq_len=32))
     mesh = make_mesh(cfg.mesh)

@@ -7,15 +7,15 @@ import jax
 import numpy as np
 import pytest
 
-from parallax.audit import collectives
+from parallax.analysis.audit import collectives
 from parallax import parallelism
 from parallax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from parallax.mesh import available_devices, make_mesh
-from parallax.fp8 import padding_value
+from parallax.parallel.mesh import available_devices, make_mesh
+from parallax.model.fp8 import padding_value
 from parallax.parallelism import Schedule
-from parallax.pipeline import to_layer_major, to_stages, unit_mask
-from parallax.train_state import init_state, make_layout
-from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
+from parallax.parallel.pipeline import to_layer_major, to_stages, unit_mask
+from parallax.train.train_state import init_state, make_layout
+from parallax.train.train_step import batch_sharding, make_grad_fn, make_train_step
 from numerics import assert_trees_close, bytes_per_device
 
 MODEL = ModelConfig(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256)

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parallax.cost import Grid, Workload
-from parallax.plan import DEVICES, PRESETS, PUBLISHED, USABLE_MEMORY, cap_batch, compare_published, evaluate
+from parallax.analysis.cost import Grid, Workload
+from parallax.analysis.plan import DEVICES, PRESETS, PUBLISHED, USABLE_MEMORY, cap_batch, compare_published, evaluate
 from parallax.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from parallax.model import count_params
+from parallax.model.transformer import count_params
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "experiments" / "quickstart.py"

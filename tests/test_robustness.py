@@ -22,10 +22,10 @@ import jax
 import numpy as np
 import pytest
 
-from parallax.checkpoint import Checkpoints
+from parallax.train.checkpoint import Checkpoints
 from parallax.config import apply_overrides, load_experiment
-from parallax.mesh import make_mesh
-from parallax.train_state import make_layout
+from parallax.parallel.mesh import make_mesh
+from parallax.train.train_state import make_layout
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "experiments" / "quickstart.py"
@@ -40,7 +40,7 @@ TINY = [
 # checkpoints/ where no bind mount can be made).
 INJECT = """
 import os, sys, time
-import parallax.checkpoint as c
+import parallax.train.checkpoint as c
 real = c.Checkpoints._write
 def _write(self, step, *a, **k):
     if float(os.environ.get("SLOW_SAVE_S", "0")) and step >= int(os.environ.get("SLOW_FROM", "0")):
@@ -319,7 +319,7 @@ def test_out_of_memory_is_one_line_and_the_rerun_is_not_refused(tmp_path, capsys
     buffer does not fit: one line saying what to reduce, exit 2, no traceback. The metrics file
     that start left behind holds no record, so the same command then trains (before 2026-12-01:
     an out-of-memory traceback, and an empty metrics.jsonl that made the rerun refuse)."""
-    import parallax.train_step as train_step
+    import parallax.train.train_step as train_step
     from parallax.cli import main
 
     real = train_step.make_train_step

@@ -20,18 +20,19 @@ import jax
 import numpy as np
 import pytest
 
-from parallax.audit import FAST_COMPILE, audit, collectives, compile_step
+from parallax.analysis.audit import FAST_COMPILE, audit, collectives, compile_step
 from parallax import parallelism
 from parallax.config import (Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig,
                              ParallelConfig, TrainConfig)
-from parallax.cost import Grid, Workload, collective_terms
-from parallax.mesh import available_devices, make_mesh
-from parallax.pipeline import to_layer_major
-from parallax.plan import candidates
-from parallax.sharding import DEFAULT_RULES, compute_rules
+from parallax.analysis.collectives import collective_terms
+from parallax.analysis.cost import Grid, Workload
+from parallax.parallel.mesh import available_devices, make_mesh
+from parallax.parallel.pipeline import to_layer_major
+from parallax.analysis.plan import candidates
+from parallax.parallel.sharding import DEFAULT_RULES, compute_rules
 from parallax.cli import main
-from parallax.train_state import init_state, make_layout
-from parallax.train_step import batch_sharding, make_grad_fn, make_train_step
+from parallax.train.train_state import init_state, make_layout
+from parallax.train.train_step import batch_sharding, make_grad_fn, make_train_step
 from numerics import assert_trees_close
 
 # Same tolerances as tests/test_equivalence.py (BUILD_NOTES.md): fp32, reduction order differs.

@@ -18,11 +18,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from parallax.config import Config
-from parallax.mesh import AXES, DATA, EXPERT, PIPE, TENSOR, describe, make_mesh
-from parallax.model import Transformer
+from parallax.parallel.mesh import AXES, DATA, EXPERT, PIPE, TENSOR, describe, make_mesh
+from parallax.model.transformer import Transformer
 from parallax.parallelism import Parallelism, Schedule
-from parallax.train_state import Layout, TrainState, make_layout
-from parallax import train_step as steps
+from parallax.train.train_state import Layout, TrainState, make_layout
+from parallax.train import train_step as steps
 
 
 @dataclass(frozen=True)

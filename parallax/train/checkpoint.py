@@ -49,10 +49,10 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import CheckpointConfig, Config, UserError, flatten
-from parallax.mesh import describe
-from parallax.pipeline import to_layer_major, to_stages
-from parallax.logical import entry_axes
-from parallax.train_state import Layout, TrainState
+from parallax.parallel.mesh import describe
+from parallax.parallel.pipeline import to_layer_major, to_stages
+from parallax.model.logical import entry_axes
+from parallax.train.train_state import Layout, TrainState
 
 FORMAT = 1
 # Fields that fix the state's shapes: a change makes the checkpoint unusable, so it is refused

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from parallax.config import MoEConfig, moe_capacity
-from parallax.layers import MLP, DotGeneralFactory, make_dot, param_matmul
-from parallax.logical import ParamPlacer, constrain, constrain_param
+from parallax.model.layers import MLP, DotGeneralFactory, make_dot, param_matmul
+from parallax.model.logical import ParamPlacer, constrain, constrain_param
 
 SLOTS = ("activation_batch", None, None, "activation_embed")  # [G, E, C, D] before the exchange
 EXPERT_SLOTS = ("activation_batch_no_expert", "activation_expert", None, "activation_embed")  # after

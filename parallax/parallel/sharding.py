@@ -26,8 +26,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import ParallelConfig
-from parallax.logical import ParamPlacer, Rules, ShardingError, entry_axes, logical_to_spec, validate_rules
-from parallax.mesh import AXES, DATA, EXPERT, PIPE, TENSOR
+from parallax.model.logical import ParamPlacer, Rules, ShardingError, entry_axes, logical_to_spec, validate_rules
+from parallax.parallel.mesh import AXES, DATA, EXPERT, PIPE, TENSOR
 
 BATCH_AXES = (DATA, EXPERT)  # outside MoE layers the expert axis is more data parallelism
 
@@ -198,7 +198,7 @@ def logical_context(mesh: jax.sharding.Mesh, rules: Rules) -> Iterator[None]:
 
 
 def param_placer(parallel: ParallelConfig | None = None) -> ParamPlacer | None:
-    """The ZeRO-3 placer to inject into the model (model.Transformer's `placer`): parameters stored
+    """The ZeRO-3 placer to inject into the model (transformer.Transformer's `placer`): parameters stored
     by make_rules (`embed` over data) and gathered to the compute rules where used; None below
     ZeRO-3, where storage equals compute placement and parameters are only cast."""
     parallel = parallel or ParallelConfig()

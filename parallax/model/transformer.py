@@ -19,12 +19,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from parallax.attention import Attention
+from parallax.model.attention import Attention
 from parallax.config import ModelConfig, expert_d_ff, stack_length
-from parallax.fp8 import FP8_COLLECTION
-from parallax.layers import MLP, Dense, DotGeneralFactory, Embed, RMSNorm
-from parallax.logical import PARAM_COMPUTE, ParamPlacer, constrain
-from parallax.moe import LOCAL, Exchange, MoE
+from parallax.model.fp8 import FP8_COLLECTION
+from parallax.model.layers import MLP, Dense, DotGeneralFactory, Embed, RMSNorm
+from parallax.model.logical import PARAM_COMPUTE, ParamPlacer, constrain
+from parallax.model.moe import LOCAL, Exchange, MoE
 
 # The residual stream between tensor-parallel regions: its T is `activation_norm_length`, sharded
 # over tensor under sequence parallelism (sharding.compute_rules). The input of a column-parallel

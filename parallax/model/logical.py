@@ -169,7 +169,7 @@ class ParamPlacement:
         """x cast to `dtype` and, ZeRO-3, gathered to its compute layout, the cast pinned to the
         storage layout first: with only the compute layout pinned, the partitioner gathered the
         float32 weight and cast after (seen in the HLO right after SPMD partitioning). The
-        gathered copy is named PARAM_COMPUTE for the remat policies (model.remat_policy)."""
+        gathered copy is named PARAM_COMPUTE for the remat policies (transformer.remat_policy)."""
         y = x if dtype is None else x.astype(dtype)
         if not self.pinned:
             return y

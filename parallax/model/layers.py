@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from parallax.logical import (ParamPlacement, ParamPlacer, constrain, constrain_param, param_placement, vary,
+from parallax.model.logical import (ParamPlacement, ParamPlacer, constrain, constrain_param, param_placement, vary,
                               varying_axes)
 
 # A factory returning a Flax module with lax.dot_general's signature (e.g. an FP8 op that keeps

@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from parallax.logical import vary, varying_axes
-from parallax.mesh import DATA, EXPERT
-from parallax.moe import LOCAL, Exchange, Grouped, RaggedLayer, inverse_permutation
-from parallax.sharding import BATCH_AXES
+from parallax.model.logical import vary, varying_axes
+from parallax.parallel.mesh import DATA, EXPERT
+from parallax.model.moe import LOCAL, Exchange, Grouped, RaggedLayer, inverse_permutation
+from parallax.parallel.sharding import BATCH_AXES
 
 # [G, E, C, D]: before, sequences over the batch axes; after, sequences over data, experts over expert.
 _TOKEN_MAJOR = P(BATCH_AXES)

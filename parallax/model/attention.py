@@ -12,8 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from parallax.layers import Dense, DotGeneralFactory
-from parallax.logical import ParamPlacer, constrain
+from parallax.model.layers import Dense, DotGeneralFactory
+from parallax.model.logical import ParamPlacer, constrain
 
 
 def apply_rope(x: jax.Array, theta: float) -> jax.Array:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax.config import Config, UserError, flatten
-from parallax.distributed import StopSignals, WorkdirLock
+from parallax.train.distributed import StopSignals, WorkdirLock
 
 RUN_FILE = "run.json"  # the config a workdir's run started with: a rerun before any checkpoint is that run again
 
@@ -67,7 +67,7 @@ def _check_workdir(workdir: Path, cfg: Config, overwrite: bool, fresh: bool, ste
     """Resuming is the default; no flag deletes a checkpoint. Raises before anything is written.
     True when the workdir's records are this very run's, killed before its first checkpoint: it
     starts again from step 0 (and its records are written again)."""
-    from parallax.metrics import holds_records
+    from parallax.train.metrics import holds_records
 
     if steps and (fresh or overwrite):
         flag = "--fresh" if fresh else "--overwrite"
@@ -88,7 +88,7 @@ def _check_workdir(workdir: Path, cfg: Config, overwrite: bool, fresh: bool, ste
 
 
 def _fixed(cfg: Config) -> dict:
-    from parallax.checkpoint import IDENTITY, STRUCTURAL
+    from parallax.train.checkpoint import IDENTITY, STRUCTURAL
 
     flat = flatten(cfg)
     return {k: flat[k] for k in STRUCTURAL + IDENTITY}
@@ -134,7 +134,7 @@ def _claim(lock: WorkdirLock, workdir: Path, lead: bool, create: bool) -> None:
 
 
 def _open_data(cfg: Config):
-    from parallax.data import open_data
+    from parallax.train.data import open_data
 
     try:
         return open_data(cfg)
@@ -179,8 +179,8 @@ def _run(cfg: Config, workdir: Path, overwrite: bool, fresh: bool, stop_at: int 
          lock: WorkdirLock) -> dict:
     import jax
 
-    from parallax.build import build
-    from parallax.checkpoint import Checkpoints
+    from parallax.train.build import build
+    from parallax.train.checkpoint import Checkpoints
 
     built = build(cfg)
     data = _open_data(cfg)
@@ -202,7 +202,7 @@ def _run(cfg: Config, workdir: Path, overwrite: bool, fresh: bool, stop_at: int 
 def _begin(cfg: Config, built, workdir: Path, checkpoints, lock: WorkdirLock, lead: bool, say, overwrite: bool,
            fresh: bool, end: int) -> _Start:
     """Claim the workdir, check that it can hold this run, say what runs, then restore or initialise."""
-    from parallax.train_state import init_state
+    from parallax.train.train_state import init_state
 
     _claim(lock, workdir, lead, create=False)  # a live run here: refused before anything is read
     saved_steps = checkpoints.steps()
@@ -238,7 +238,7 @@ def _begin(cfg: Config, built, workdir: Path, checkpoints, lock: WorkdirLock, le
 
 def _announce(cfg: Config, built, workdir: Path, say) -> None:
     """The layout, the parameter counts and the FP8 recipe, printed once when a run starts."""
-    from parallax.model import count_params
+    from parallax.model.transformer import count_params
 
     for line in built.describe():
         say(line)
@@ -253,7 +253,7 @@ def _announce(cfg: Config, built, workdir: Path, say) -> None:
 def _open_records(cfg: Config, workdir: Path, lead: bool, say, start: _Start):
     """metrics.jsonl, before compiling: an unwritable file is found now, and the records of steps
     past the checkpoint (a kill or a failed save since) go: the run writes them again."""
-    from parallax.metrics import MetricsWriter, drop_replayed
+    from parallax.train.metrics import MetricsWriter, drop_replayed
 
     last = 0
     if lead and start.resuming:
@@ -276,8 +276,8 @@ class StepRecord:
     ticks and bubble, FP8 and MoE telemetry, the gradient noise scale."""
 
     def __init__(self, cfg: Config, built):
-        from parallax.metrics import NoiseScale, peak_flops
-        from parallax.model import flops_per_token
+        from parallax.train.metrics import NoiseScale, peak_flops
+        from parallax.model.transformer import flops_per_token
 
         t = cfg.train
         self.fp8 = cfg.fp8.enabled
@@ -295,7 +295,7 @@ class StepRecord:
         self.shard_batch = t.global_batch // built.batch_shards
 
     def __call__(self, done: int, metrics: dict[str, float], dt: float, skipped: int) -> dict:
-        from parallax.metrics import mfu, tflops_per_device
+        from parallax.train.metrics import mfu, tflops_per_device
 
         record = {
             "step": done,
@@ -338,7 +338,7 @@ class _Training:
         self.bad_run, self.diverged, self.failed, self.unwritten = 0, None, None, []
 
     def batch(self, data, step: int):
-        from parallax.data import make_global_batch
+        from parallax.train.data import make_global_batch
 
         return make_global_batch(data, step, self.built.batch_sharding)
 
@@ -351,7 +351,7 @@ class _Training:
         return float(np.mean([float(x) for x in losses]))
 
     def save(self, step: int) -> None:
-        from parallax.checkpoint import make_meta
+        from parallax.train.checkpoint import make_meta
 
         meta = make_meta(self.cfg, step, self.built.mesh, skipped_steps=self.skipped, unwritten_records=self.unwritten)
         path = self.checkpoints.save(step, self.state, meta)
@@ -361,8 +361,8 @@ class _Training:
     def steps(self, writer, end: int) -> None:
         """Steps from the start to `end`; leaving `checkpoints` waits for the last save: no exit,
         not even an error, abandons one."""
-        from parallax.checkpoint import CheckpointError
-        from parallax.metrics import Progress
+        from parallax.train.checkpoint import CheckpointError
+        from parallax.train.metrics import Progress
 
         started = time.perf_counter()
         batch = self.batch(self.train_data, self.start)
@@ -386,7 +386,7 @@ class _Training:
 
     def after_step(self, done: int, metrics: dict[str, float], dt: float, writer, progress, end: int) -> bool:
         """Record, evaluate, write, save; False when the run stops here."""
-        from parallax.metrics import MetricsError
+        from parallax.train.metrics import MetricsError
 
         t = self.cfg.train
         self.done = done

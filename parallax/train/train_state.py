@@ -19,14 +19,14 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import Config, ConfigError
-from parallax.expert_parallel import EXPERT_EXCHANGE
-from parallax.fp8 import FP8_COLLECTION, transformer_dot_generals
-from parallax.model import Transformer, cross_entropy
-from parallax.optim import make_optimizer
-from parallax.pipeline_1f1b import make_1f1b_value_and_grad
+from parallax.parallel.expert_parallel import EXPERT_EXCHANGE
+from parallax.model.fp8 import FP8_COLLECTION, transformer_dot_generals
+from parallax.model.transformer import Transformer, cross_entropy
+from parallax.train.optim import make_optimizer
+from parallax.parallel.pipeline_1f1b import make_1f1b_value_and_grad
 from parallax.parallelism import Parallelism, Schedule
-from parallax.pipeline import make_pipelined_apply, stage_specs, to_stages
-from parallax.sharding import (Rules, compute_rules, logical_context, logical_shardings, make_rules, optimizer_rules,
+from parallax.parallel.pipeline import make_pipelined_apply, stage_specs, to_stages
+from parallax.parallel.sharding import (Rules, compute_rules, logical_context, logical_shardings, make_rules, optimizer_rules,
                                param_placer)
 
 

@@ -267,7 +267,7 @@ def compile_step(cfg: Config, compiler_options: dict | None = None) -> CompiledS
         return _COMPILED[key]
     import time
 
-    from parallax.build import build
+    from parallax.train.build import build
 
     built = build(cfg)
     started = time.perf_counter()
@@ -366,8 +366,8 @@ def compare_collectives(found: list[Collective], terms: list) -> list[Row]:
 
 def audit(cfg: Config, compiler_options: dict | None = None) -> dict:
     """The whole audit as plain data (what `--json` prints)."""
-    from parallax.cost import (Grid, Workload, collective_terms, hardware_flops_per_device, memory_parts,
-                               model_flops_per_step)
+    from parallax.analysis.collectives import collective_terms
+    from parallax.analysis.cost import Grid, Workload, hardware_flops_per_device, memory_parts, model_flops_per_step
 
     step = compile_step(cfg, compiler_options)
     w, g = Workload.of(cfg), Grid.of(cfg, step.mesh_shape)
@@ -465,7 +465,7 @@ def audit_command(args) -> int:
     import json
 
     from parallax.config import apply_overrides, load_experiment
-    from parallax.distributed import configure_host_devices
+    from parallax.train.distributed import configure_host_devices
 
     cfg = apply_overrides(load_experiment(args.experiment), args.set)
     line = configure_host_devices(cfg)

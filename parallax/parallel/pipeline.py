@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from parallax.fp8 import FP8_COLLECTION, padding_value, scales_each_use
-from parallax.mesh import DATA, PIPE
+from parallax.model.fp8 import FP8_COLLECTION, padding_value, scales_each_use
+from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
-from parallax.model import Transformer, moe_stat_shapes, remat_policy, stack_unit
-from parallax.logical import entry_axes, keep_axes, vary
-from parallax.sharding import BATCH_AXES
+from parallax.model.transformer import Transformer, moe_stat_shapes, remat_policy, stack_unit
+from parallax.model.logical import entry_axes, keep_axes, vary
+from parallax.parallel.sharding import BATCH_AXES
 
 # ----------------------------------------------------------------------------------------------
 # Layer-major <-> stage layout (a reshape of the leading axis)

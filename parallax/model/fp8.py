@@ -60,7 +60,7 @@ from flax.linen import fp8_ops
 from jax import lax
 
 from parallax.config import Fp8Config
-from parallax.layers import ParamUse, dot_grad_lhs, dot_grad_rhs, match_varying
+from parallax.model.layers import ParamUse, dot_grad_lhs, dot_grad_rhs, match_varying
 
 FP8_COLLECTION = "fp8_meta"
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2

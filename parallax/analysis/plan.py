@@ -43,11 +43,11 @@ import numpy as np
 
 from parallax.config import (Config, ConfigError, Fp8Config, ModelConfig, TrainConfig, UserError, apply_overrides,
                              expert_d_ff, load_experiment, stack_length)
-from parallax.cost import (Grid, Workload, collective_terms,
-                           hardware_flops_per_device, memory_parts, model_flops_per_step)
+from parallax.analysis.collectives import collective_terms
+from parallax.analysis.cost import Grid, Workload, hardware_flops_per_device, memory_parts, model_flops_per_step
 from parallax.parallelism import CIRCULAR, GPIPE, LAYOUT_FIELDS, ONE_F_ONE_B, REMATS, SCHEDULES, bubble, legal, pipelined
-from parallax.presets import PUBLISHED  # noqa: F401 - re-exported: the published runs beside compare_published
-from parallax.presets import ALIASES, DEVICES, PRESETS, Device, PublishedRun
+from parallax.analysis.presets import PUBLISHED  # noqa: F401 - re-exported: the published runs beside compare_published
+from parallax.analysis.presets import ALIASES, DEVICES, PRESETS, Device, PublishedRun
 
 GiB = 2**30
 USABLE_MEMORY = 0.90  # of HBM: XLA's own buffers, fragmentation (raise XLA_PYTHON_CLIENT_MEM_FRACTION from 0.75)
@@ -450,6 +450,6 @@ def plan_command(args: argparse.Namespace) -> int:
 
 
 def _param_counts(m: ModelConfig) -> dict[str, int]:
-    from parallax.model import count_params
+    from parallax.model.transformer import count_params
 
     return count_params(m)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax.config import ModelConfig, MoEConfig
-from parallax.metrics import PEAK_FLOPS
+from parallax.train.metrics import PEAK_FLOPS
 
 GiB = 2**30
 

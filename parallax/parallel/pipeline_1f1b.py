@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from parallax.mesh import PIPE
-from parallax.model import Transformer
-from parallax.logical import keep_axes, vary
+from parallax.parallel.mesh import PIPE
+from parallax.model.transformer import Transformer
+from parallax.model.logical import keep_axes, vary
 from parallax.parallelism import Schedule
-from parallax.pipeline import stage_fn, unit_mask
-from parallax.sharding import BATCH_AXES
+from parallax.parallel.pipeline import stage_fn, unit_mask
+from parallax.parallel.sharding import BATCH_AXES
 
 
 def make_1f1b_value_and_grad(

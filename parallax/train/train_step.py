@@ -16,11 +16,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import Config
-from parallax.model import cross_entropy, moe_loss
-from parallax.fp8 import FP8_COLLECTION, fp8_metrics, fp8_variables, overwrite
-from parallax.optim import make_lr_schedule
-from parallax.sharding import BATCH_AXES, logical_context
-from parallax.train_state import Layout, TrainState
+from parallax.model.transformer import cross_entropy, moe_loss
+from parallax.model.fp8 import FP8_COLLECTION, fp8_metrics, fp8_variables, overwrite
+from parallax.train.optim import make_lr_schedule
+from parallax.parallel.sharding import BATCH_AXES, logical_context
+from parallax.train.train_state import Layout, TrainState
 
 Batch = dict[str, jax.Array]  # 'inputs', 'targets': [B, T] int32
 
@@ -34,7 +34,7 @@ Aux = tuple[jax.Array, dict]  # (cross-entropy, MoE stats per layer)
 
 def make_loss_fn(layout: Layout) -> Callable[[Any, Batch, Any], tuple[jax.Array, Aux]]:
     """(params, batch, fp8) -> (training loss, (cross-entropy, MoE stats)); the training loss is
-    the cross-entropy plus the MoE routers' losses (model.moe_loss)."""
+    the cross-entropy plus the MoE routers' losses (transformer.moe_loss)."""
 
     def loss_fn(params: Any, batch: Batch, fp8: Any = None) -> tuple[jax.Array, Aux]:
         with logical_context(layout.mesh, layout.rules):

@@ -1,0 +1,302 @@
+"""The analytic cost of one train step per device: the shapes, memory and FLOPs (collectives.py the collectives).
+
+Pure arithmetic on the config, no JAX. `parallax audit` sets it beside the compiled step (and the
+tests hold the two together on 8 simulated devices); `parallax plan` evaluates it for every layout
+at once: each function takes a `Grid` whose fields are numpy arrays (or plain ints) and broadcasts.
+
+XLA:CPU runs bfloat16 elementwise work in float32 (`platform='cpu'` models that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from parallax.config import Config, ModelConfig, expert_d_ff, moe_capacity
+from parallax.parallelism import CIRCULAR, DOTS, FULL, GPIPE, NONE, ONE_F_ONE_B, layout_fields, pipelined, ticks
+
+# XLA:CPU activation memory, read off 71 compiles (experiments/calibrate_cost.py: d_model, d_ff,
+# layers, heads, sequence, batch, vocab and tensor varied one at a time under each remat policy
+# and dtype, plus pipeline and ZeRO layouts; a model the validation tests do not use).
+CPU_FULL_SAVED = 2.0  # remat=full keeps the block input twice (the scan carry and its stack)
+CPU_WORKING = 0.8  # one layer's backward needs ~0.8 of its un-rematted residuals live at once
+CPU_LOGITS = 3.0  # logits, their softmax and gradient: ~3 float32 [B, T, V/tensor] buffers
+F1B_WORKING = 1.5  # 1F1B: the stage vjp's backward temporaries on top of its residuals
+# MoE FFN residuals per slot (D- and F-sized, activation dtype) and per token (float32 [E]-sized
+# router buffers), un-rematted: see "Cost model: MoE" in BUILD_NOTES.md for the fit.
+MOE_SLOT_D, MOE_SLOT_F, MOE_ROUTER, MOE_WORKING = 0.64, 5.9, 17.0, 1.5
+# On accelerators (the planner; not measured here, no GPU run): one layer's residuals as the
+# working set, the same logits buffers, bfloat16 activations stay bfloat16.
+ACCEL_WORKING = 1.0
+ACCEL_LOGITS = 3.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything but the layout: the model and the batch."""
+
+    model: ModelConfig
+    global_batch: int
+    seq_len: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> Workload:
+        return cls(cfg.model, cfg.train.global_batch, cfg.train.seq_len)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Layout fields (parallelism.LAYOUT_FIELDS), each an int or a numpy array (all broadcast together)."""
+
+    data: Any = 1
+    tensor: Any = 1
+    pipe: Any = 1
+    expert: Any = 1
+    zero: Any = 0
+    microbatches: Any = 1
+    schedule: Any = GPIPE  # index into parallelism.SCHEDULES
+    repeats: Any = 1
+    remat: Any = NONE  # index into parallelism.REMATS
+    sequence: Any = 0  # 1: sequence parallelism (the residual stream's T sharded over tensor)
+    grad_reduce: Any = 0  # index into parallelism.GRAD_REDUCE_DTYPES (parallel.grad_reduce_dtype)
+
+    @classmethod
+    def of(cls, cfg: Config, sizes: dict[str, int]) -> Grid:
+        return cls(**layout_fields(cfg, sizes))  # the field names are parallelism.LAYOUT_FIELDS
+
+    def pick(self, index: Any) -> Grid:
+        return Grid(**{f.name: np.asarray(getattr(self, f.name))[index] if np.ndim(getattr(self, f.name)) else
+                       getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+class Dims:
+    """The shape quantities every formula uses, broadcast over the grid.
+
+    The scanned stack runs U = L / unit trips; a unit is one block, or `moe.every` blocks whose
+    last one is MoE (config.stack_length). Parameter elements per device are counted per unit and
+    split into expert weights (E/expert experts, F over tensor; their gradients reduce over data
+    only) and the rest (attention, dense MLPs, norms, the replicated float32 router, shared experts).
+    """
+
+    def __init__(self, w: Workload, g: Grid, platform: str = "accelerator"):
+        m = w.model
+        self.w, self.g = w, g
+        self.D, self.L, self.N, self.K, self.F, self.V = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
+        self.H, self.T = m.d_model // m.n_heads, w.seq_len
+        self.cpu = platform == "cpu"
+        self.c = 4 if (self.cpu or m.dtype == "float32") else 2  # activation bytes
+        t, p = np.asarray(g.tensor), np.asarray(g.pipe)
+        self.t, self.p = t, p
+        self.d, self.ep = np.asarray(g.data), np.asarray(g.expert)
+        self.dp = self.d * self.ep  # batch shards
+        self.M = np.asarray(g.microbatches)
+        self.r = np.asarray(g.repeats)
+        self.sched, self.remat, self.zero = np.asarray(g.schedule), np.asarray(g.remat), np.asarray(g.zero)
+        self.piped = pipelined(p, self.M)
+        self.f1b = self.piped & (self.sched == ONE_F_ONE_B)
+        self.ticks = ticks(self.sched, p, self.M, self.r)
+        self.rows = w.global_batch / self.dp  # rows per batch shard
+        self.tok = self.rows * self.T  # tokens per batch shard
+        # MoE (model.moe): E experts of hidden Fe, top-k, S shared experts, C slots per expert and sequence.
+        mo = m.moe
+        self.moe = int(bool(mo.num_experts))
+        self.E, self.k, self.S = mo.num_experts, mo.top_k, mo.shared_experts
+        self.Fe = expert_d_ff(m) if self.moe else 0
+        self.C = moe_capacity(self.T, self.E, self.k, mo.capacity_factor) if self.moe else 0
+        self.unit = mo.every if self.moe and mo.every > 1 else 1  # blocks per scanned unit
+        self.U = self.L / self.unit  # loop trips
+        # Uneven stages: the stack is padded with identity units up to a multiple of R*P
+        # (pipeline.to_stages); the padding is stored and computed like real layers.
+        self.Lc = np.ceil(self.U / (self.r * p)) * self.unit  # layers per chunk (one tick of one stage)
+        self.Ldev = self.Lc * self.r  # layers per device
+        self.slots_tok = self.E * self.C / self.T  # expert slots per token (capacity padding included)
+        self.slots = self.tok * self.slots_tok * self.D * self.c  # one device's [B/(data expert), E, C, D]
+        attn = self.D * self.H * (2 * self.N + 2 * self.K)
+        dense_ffn = 3 * self.D * self.F / t
+        moe_rest = self.D * self.E + 3 * self.D * self.S * self.Fe / t  # router (replicated), shared experts
+        self.unit_norms = 2 * self.D * self.unit
+        self.unit_ne = self.unit * attn / t + self.unit_norms + (self.unit - self.moe) * dense_ffn + self.moe * moe_rest
+        self.unit_ex = self.moe * self.E / self.ep * 3 * self.D * self.Fe / t  # expert wi, wo
+        self.unit_t = self.unit_ne + self.unit_ex  # elements per unit per device
+        self.layer_t = self.unit_t / self.unit  # per layer, averaged over the unit
+        # parameter arrays per unit (one ZeRO gather each): 6 per block (2 norms, qkv, out, wi,
+        # wo); an MoE block adds its router, and shared experts their wi, wo
+        self.unit_arrays = 6 * self.unit + self.moe * (1 + 2 * int(self.S > 0))
+        self.embed_t = self.V * self.D / t
+        self.head_t = 0 if m.tie_embeddings else self.D * self.V / t
+        self.outer_t = self.embed_t + self.head_t + self.D
+        self.outer_arrays = 3 - int(m.tie_embeddings)  # embedding, head (untied), final norm
+        # Gradient bytes on the wire over the batch axes: a matmul weight's in grad_reduce_dtype
+        # (2 bytes for bfloat16 on GPU/TPU), the norm scales' and the router's in float32.
+        # A pipeline stage's gradients are always float32 (see the module docstring).
+        self.gb = np.where((np.asarray(g.grad_reduce) == 1) & (not self.cpu), 2, 4)
+        self.gb_stage = np.where(self.piped, 4, self.gb)  # the block stack's matmul weights
+        self.router = router = self.moe * self.D * self.E  # the MoE router's (float32) elements per unit
+        self.unit_ne_bytes = self.gb_stage * (self.unit_ne - self.unit_norms - router) + 4 * (self.unit_norms + router)
+        self.unit_ex_bytes = self.gb_stage * self.unit_ex
+        self.params_t = self.Ldev * self.layer_t + self.outer_t  # tensor-, expert- and pipe-sharded
+        self.act = self.tok * self.D * self.c  # one [B/dp, T, D] buffer
+        self.act_m = self.act / self.M
+        # Sequence parallelism: the residual stream (and what is saved or sent of it) is [B/dp, T/t, D].
+        self.sp = (np.asarray(g.sequence) != 0) & (t > 1)
+        self.sp_t = np.where(self.sp, t, 1)
+        self._runs()
+
+    def _runs(self) -> None:
+        """How often the block stack runs in one step, and the buffers one call of it sees.
+
+        Unpipelined: L layers once; GPipe/circular: every tick runs a chunk (bubble ticks compute
+        too); 1F1B: conditional branches (lax.cond), M busy ticks of `ticks`, and the HLO counts
+        each branch on every tick (`static_scale`).
+
+        `halves` must follow pipeline.run_pipeline's `tick`, which runs a GPipe/circular tick as
+        two half-microbatches (twice the calls, half the bytes) when its rows (rows / M per batch
+        shard) are even and `split = not fp8.scales_each_use(model.dot_general)`. This model does
+        not see FP8: under the `current` recipe the pipeline keeps whole microbatches and
+        `halves` overcounts calls (same bytes per tick).
+        """
+        piped, f1b, M = self.piped, self.f1b, self.M
+        self.layers_run = np.where(piped, self.ticks * self.Lc, self.L)
+        self.busy_layers = np.where(f1b, M * self.Lc, self.layers_run)
+        self.units_run, self.busy_units = self.layers_run / self.unit, self.busy_layers / self.unit
+        self.units_dev = self.Ldev / self.unit  # units stored per device
+        self.static_scale = np.where(f1b, self.ticks / M, 1)
+        self.halves = np.where(piped & ~f1b & ((self.rows / M) % 2 == 0), 2, 1)
+        self.act_run = np.where(piped, self.act_m, self.act)  # one block call's [B/dp (/M), T, D]
+        self.slots_run = np.where(piped, self.slots / M, self.slots) / self.halves  # one MoE call's slots
+        # MoE layer calls per step, and those recomputed (any remat policy; 1F1B's stage vjp)
+        self.moe_calls = self.moe * self.busy_units * self.halves
+        self.moe_recalls = self.moe * np.where(f1b, M * self.Lc / self.unit,
+                                               np.where(self.remat != NONE, self.units_run, 0)) * self.halves
+
+
+def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla") -> dict[str, Any]:
+    """Bytes per device at the peak (the start of the backward pass), by part.
+
+    `attention`: 'xla' is what parallax compiles today (jax.nn.dot_product_attention's XLA path
+    keeps the [N, T, T] scores, their exponent and the probabilities); 'fused' a flash-style
+    kernel that keeps one float32 log-sum-exp per head and token.
+    """
+    s = Dims(w, g, platform)
+    c, D, F, H, N, K, T, t = s.c, s.D, s.F, s.H, s.N, s.K, s.T, s.t
+    dshard = s.d  # ZeRO shards over data only (sharding.make_rules), experts or not
+    params = 4 * s.params_t / np.where(s.zero == 3, dshard, 1)
+    opt = 8 * s.params_t / np.where(s.zero >= 1, dshard, 1)
+    # ZeRO-1 outside a pipeline: the backward loop slices each layer's reduced gradient to the
+    # 1/data shard the update needs (the loop's output stacks are 1/data in the compiled step).
+    layer_grads = 4 * s.Ldev * s.layer_t / np.where((s.zero == 3) | ((s.zero == 1) & ~s.piped), dshard, 1)
+    grads = layer_grads + 4 * s.outer_t / np.where(s.zero == 3, dshard, 1)
+    heads = N / t
+    scores = heads * T * 13 if attention == "xla" else heads * 4  # bool mask + 3 float32 / log-sum-exp
+    # Residuals of one un-rematted block per token (jax.ad_checkpoint.print_saved_residuals):
+    # x, x after attention, 2 x (normed float32 + scaled) ; q, k, v, attention output; 6 F-sized.
+    # Sequence parallelism (sp_t = t, else 1): the residual-stream buffers are T-sharded, but the
+    # two norm outputs the column-parallel matmuls keep are the all-gathered, full-T ones.
+    sp_t = s.sp_t
+    attn_none = D * (c + 2 * 4) / sp_t + 2 * D * c + (2 * N + 2 * K) * H / t * c + scores
+    attn_dots = 3 * D * c / sp_t + (N + 2 * K) * H / t * c  # x, attention and MLP outputs; qkv
+    # An MoE FFN per token: its slots (E C / T per token, capacity padding included) each keep
+    # D- and F-sized buffers, the router float32 [E]-sized ones; shared experts as a dense MLP.
+    moe_none = (s.slots_tok * (MOE_SLOT_D * D + MOE_SLOT_F * s.Fe / t) * c + MOE_ROUTER * s.E * 4
+                + s.k * D * c + 6 * s.S * s.Fe / t * c)  # + the combine's [T, k, D] picked outputs
+    moe_dots = s.E * 4 + 2 * s.S * s.Fe / t * c  # router logits, shared gate/up (expert matmuls are batched)
+    dense = s.unit - s.moe  # dense blocks per unit
+    none = s.unit * attn_none + dense * 6 * F / t * c + s.moe * moe_none  # per unit
+    dots = s.unit * attn_dots + dense * 2 * F / t * c + s.moe * moe_dots  # gate/up
+    full = D * c * (CPU_FULL_SAVED if s.cpu else 1.0) / sp_t  # the unit's input
+    saved_tok = np.select([s.remat == NONE, s.remat == FULL], [none, full], dots) / s.unit  # per layer
+    if not s.cpu and w.model.dtype != "float32":  # bfloat16 copies of the weights kept per layer
+        # (unpipelined ZeRO-3: those copies are the gathered weights, counted in `gathered`)
+        saved_layer = np.where((s.remat == NONE) & ~((s.zero == 3) & ~s.piped), 2 * (s.layer_t - 2 * D), 0)
+    else:
+        saved_layer = 0
+    tok_m = s.tok / s.M
+    vocab_t = s.V / t
+    # Saved activations. Plain: every layer once. GPipe/circular: every tick's chunk residuals
+    # until the backward loop. 1F1B: 2P stage inputs in the ring buffer, the input cotangents
+    # [M, B/M, T, D], one stage's residuals (Lc layers) while its vjp runs, and the gradient
+    # accumulators carried through the tick loop.
+    plain_saved = s.L * (s.tok * saved_tok + saved_layer)
+    # The circular schedule slices its chunk's weights per tick; without a remat policy the
+    # backward keeps each slice (pipeline.stage_fn).
+    chunk_slices = np.where((s.sched == CIRCULAR) & (s.remat == NONE), 4 * s.Lc * s.layer_t, 0)
+    gpipe_saved = s.ticks * (s.Lc * (tok_m * saved_tok + saved_layer) + chunk_slices)
+    f1b_saved = (2 * s.p * tok_m * D * c + s.act) / sp_t + s.Lc * (tok_m * saved_tok + saved_layer) + 4 * s.params_t
+    activations = np.where(s.f1b, f1b_saved, np.where(s.piped, gpipe_saved, plain_saved))
+    # Working set: one unit's backward needs about its un-rematted residuals at once (a whole
+    # chunk of them inside a pipeline tick); a 1-layer chunk compiles without an inner loop and
+    # its residuals are the working set itself.
+    # The circular schedule under a remat policy slices each unit's weights inside its
+    # checkpoint (pipeline.stage_fn): one more unit's residuals are live (fitted on three
+    # compiles: L4/D48, L4/D96, L8/D48 on data 2 x tensor 2 x pipe 2, within 13%).
+    sliced = (s.sched == CIRCULAR) & (s.r > 1) & (s.remat != NONE)
+    work_tok = np.where(s.piped & ~s.f1b, (s.Lc / s.unit + sliced) * tok_m,
+                        np.where(s.f1b, np.where(s.Lc > 1, tok_m, 0), s.tok))
+    # (an MoE FFN's backward keeps more than its residuals live: its own factor, fitted)
+    moe_work = s.moe * moe_none * ((MOE_WORKING if s.cpu else ACCEL_WORKING) - (CPU_WORKING if s.cpu else ACCEL_WORKING))
+    work = (CPU_WORKING if s.cpu else ACCEL_WORKING) * np.where(s.f1b, F1B_WORKING, 1.0) * work_tok * none
+    work = work + np.where(s.f1b, F1B_WORKING, 1.0) * work_tok * moe_work
+    logits_k = CPU_LOGITS if s.cpu else ACCEL_LOGITS
+    # The loss head runs on the whole shard (GPipe, plain) or one microbatch (1F1B), plus the
+    # one-hot embedding input of the whole shard.
+    head_tok = np.where(s.f1b, tok_m, s.tok)
+    logits = logits_k * head_tok * vocab_t * 4 + s.tok * vocab_t * c
+    # ZeRO-3 with the `none` policy keeps every gathered layer for the backward pass (see above).
+    # (in the compute dtype: the matmul weights are cast before their gather, constrain_param)
+    gathered = np.where((s.zero == 3) & (s.remat == NONE) & ~s.piped, c * s.L * s.layer_t, 0)
+    gathered = gathered + np.where((s.zero == 3) & s.piped, 4 * s.params_t, 0)
+    # ... and outside a pipeline one unit's full-size expert-weight gradient before and after
+    # its all-reduce, plus (remat) the unit's experts gathered again. Dense weights do the same,
+    # but the dense calibration (CPU_WORKING) absorbed that part; only the MoE fit needed it.
+    gathered = gathered + np.where((s.zero == 3) & ~s.piped, 4 * s.unit_ex * (2 + (s.remat != NONE)), 0)
+    batch = 2 * w.global_batch / s.dp * T * 4
+    parts = {"params": params, "optimizer": opt, "gradients": grads, "activations": activations,
+             "working": work, "logits": logits, "gathered": gathered, "batch": batch * np.ones_like(params)}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def model_flops_per_step(w: Workload) -> float:
+    """The MFU numerator: 6 N + causal attention per token (transformer.py), times tokens per step."""
+    from parallax.model.transformer import flops_per_token  # counts only; transformer.py's convention is the one logged
+
+    return flops_per_token(w.model, w.seq_len) * w.global_batch * w.seq_len
+
+
+def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> dict[str, Any]:
+    """FLOPs one device executes per step, by part (what sets its compute time).
+
+    Blocks: split over every axis; remat=full and 1F1B recompute the block forward (+1/3); the
+    GPipe/circular bubble ticks compute on zeros. Embedding (one-hot matmul, forward and table
+    gradient) and loss head are replicated over `pipe`: every stage runs them on its batch shard.
+    XLA's attention computes the whole [T, T] score matrix and masks it (12 N H T per token and
+    layer); a fused causal kernel skips the masked half (6 N H T, the model-FLOPs convention).
+    """
+    s = Dims(w, g)
+    attn = 4 if attention == "xla" else 2
+    wo = 2 * s.F * s.D  # the last matmul: its output is dead in a recomputation (XLA drops it)
+    block = 2 * s.D * s.H * (2 * s.N + 2 * s.K) + attn * s.N * s.H * s.T  # per token: projections, scores
+    dense = 4 * s.D * s.F + wo
+    # MoE: the experts compute on all E C slots of a sequence, full or not (capacity padding
+    # counts); the float32 router and the combine's weighted sum are not split over tensor.
+    experts = s.slots_tok * 6 * s.D * s.Fe
+    moe = experts + 6 * s.D * s.S * s.Fe
+    moe_replicated = s.moe * (2 * s.D * s.E + 2 * s.k * s.D)
+    fwd = s.unit * block + (s.unit - s.moe) * dense + s.moe * moe  # per token and unit, over tensor
+    dead = np.where(s.moe, 2 * s.S * s.Fe * s.D, wo)  # the unit's last matmul (shared experts' wo)
+    # remat=full recomputes each unit's forward but its last matmul; 1F1B recomputes the stage
+    # from its input, which needs every unit's output but the chunk's last; `dots` recomputes
+    # the batched expert matmuls (it keeps only matmuls without batch dimensions).
+    recompute = np.select([s.f1b, s.remat == FULL, s.remat == DOTS],
+                          [fwd - dead * s.unit / s.Lc, fwd - dead, s.moe * experts], 0)
+    busy = np.where(s.piped & ~s.f1b, s.ticks / (s.r * s.M), 1.0)  # bubble ticks run the stage too
+    rerun = np.where(s.f1b | (s.remat == FULL), 1, 0)
+    units = s.Ldev / s.unit
+    blocks = s.tok * units * ((3 * fwd + recompute) / s.t + (3 + rerun) * moe_replicated) * busy
+    head = s.tok * 6 * s.D * s.V / s.t
+    embed = s.tok * 4 * s.D * s.V / s.t
+    return {"blocks": blocks, "head": head * np.ones_like(blocks), "embedding": embed * np.ones_like(blocks),
+            "total": blocks + head + embed}
