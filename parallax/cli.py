@@ -26,8 +26,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from parallax.config import Config, UserError, apply_overrides, check_data, check_fields, default_workdir, load_experiment, \
-    resolve_mesh_shape
+from parallax.config import Config, UserError, apply_overrides, check_data, check_fields, check_optim, default_workdir, \
+    load_experiment, resolve_mesh_shape
 from parallax.train.distributed import (StopSignals, accelerator_platform, configure_host_devices, error_prefix, initialize,
                                   known_device_count, process_spec)
 from parallax.train.loop import TrainingDiverged, check_workdir_path, run
@@ -41,10 +41,11 @@ def preflight(cfg: Config, n_devices: int | None) -> None:
     """Everything that can be checked from the config alone, before JAX starts: every field's
     range, then, with mesh sizes known (the device count, or no -1 axis), the mesh and every rule
     of `parallelism.check` (a mesh of 100,000 simulated CPU devices would otherwise be created
-    before its batch was found indivisible), and the data settings (config.check_data). The same
-    checks run again on the real mesh."""
+    before its batch was found indivisible), the data settings (config.check_data) and the
+    optimizer's names (config.check_optim). The same checks run again on the real mesh."""
     check_fields(cfg)
     check_data(cfg)
+    check_optim(cfg)
     sizes = dataclasses.asdict(cfg.mesh)
     if n_devices is None:
         fixed = math.prod(v for v in sizes.values() if v > 0)

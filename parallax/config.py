@@ -99,8 +99,16 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    # learning-rate schedule after the linear warmup (optim.py): cosine (decay over the whole run)
+    # | wsd (warmup-stable-decay: flat at train.lr, then the last decay_fraction of the steps) | constant
+    schedule: str = "cosine"
     warmup_steps: int = 20
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # cosine and wsd decay to lr * min_lr_ratio (constant ignores it)
+    decay_fraction: float = 0.1  # wsd: the share of train.steps, at the end, that decays; in (0, 1]
+    decay_shape: str = "linear"  # wsd: linear | 1-sqrt (1 - sqrt(progress), Hägele et al. 2024)
+    # dtype of AdamW's first moment (optax.adamw's mu_dtype, MaxText's mu_dtype); bfloat16 saves 2
+    # bytes per parameter; the second moment and the parameters stay float32
+    mu_dtype: str = "float32"
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -280,6 +288,7 @@ FIELD_RANGES: dict[str, tuple] = {
     "parallel.microbatches": _SIZE, "parallel.repeats": _SIZE,
     "optim.warmup_steps": _COUNT, "optim.min_lr_ratio": (0.0, 1.0, False, False), "optim.weight_decay": _NONNEG,
     "optim.b1": _UNIT_OPEN_1, "optim.b2": _UNIT_OPEN_1, "optim.eps": _POS,
+    "optim.decay_fraction": (0.0, 1.0, True, False),
     "data.val_fraction": (0.0, 1.0, True, True),
     **{f"train.{k}": _SIZE for k in ("steps", "global_batch", "seq_len", "eval_batches", "log_every", "max_bad_steps")},
     "train.lr": _POS, "train.seed": (0, INT64, False, False),
@@ -326,6 +335,25 @@ def check_data(cfg: Config) -> None:
         raise ConfigError(f"data.token_dtype: must be 'uint16' or 'uint32', got {cfg.data.token_dtype!r}")
     if cfg.data.source == "stdlib" and cfg.model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} must be >= 256 for data.source='stdlib' (bytes)")
+
+
+SCHEDULES = ("cosine", "wsd", "constant")  # optim.schedule
+DECAY_SHAPES = ("linear", "1-sqrt")  # optim.decay_shape (wsd)
+MU_DTYPES = ("float32", "bfloat16")  # optim.mu_dtype
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def check_optim(cfg: Config) -> None:
+    """The optimizer's named choices (its numeric fields are FIELD_RANGES'): checked before JAX
+    starts and again where the optimizer is built (optim.make_optimizer)."""
+    o = cfg.optim
+    _one_of("optim.schedule", o.schedule, SCHEDULES)
+    _one_of("optim.decay_shape", o.decay_shape, DECAY_SHAPES)
+    _one_of("optim.mu_dtype", o.mu_dtype, MU_DTYPES)
 
 
 def expert_d_ff(m: ModelConfig) -> int:

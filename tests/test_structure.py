@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "parallax"
 ORDER = [
     "config", "parallelism",
     "model.logical", "model.layers", "model.attention", "model.fp8", "model.moe", "model.transformer",
-    "parallel.mesh", "parallel.sharding", "parallel.expert_parallel", "parallel.pipeline", "parallel.pipeline_1f1b",
+    "parallel.mesh", "parallel.targets", "parallel.sharding", "parallel.expert_parallel", "parallel.pipeline", "parallel.pipeline_1f1b",
     "train.distributed", "train.optim", "train.train_state", "train.data", "train.train_step", "train.build",
     "train.checkpoint", "train.metrics", "train.loop",
     "analysis.cost", "analysis.collectives", "analysis.audit", "analysis.presets", "analysis.plan",

@@ -14,6 +14,7 @@ data, tensor and pipe (expert_parallel.py; cost.py models them).
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -218,6 +219,14 @@ SCALAR_BYTES = 4096  # per step: loss, gradient-norm and norm-scale pieces, redu
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
+def target_options(compiler_options: dict | None, platform: str) -> dict | None:
+    """The options a target's compiler takes: FAST_COMPILE is XLA:CPU's LLVM level, which the
+    TPU compiler does not know (and has no LLVM backend to speed up), so it is dropped there."""
+    if platform == "cpu" or not compiler_options:
+        return compiler_options
+    return {k: v for k, v in compiler_options.items() if k not in FAST_COMPILE} or None
+
+
 @dataclass(frozen=True)
 class CompiledStep:
     hlo: str
@@ -226,6 +235,8 @@ class CompiledStep:
     mesh_shape: dict[str, int]
     platform: str
     compile_s: float
+    device_kind: str = ""
+    target: str | None = None
 
 
 def _memory_stats(compiled) -> dict[str, int] | None:
@@ -259,22 +270,32 @@ def _cost_stats(compiled) -> dict[str, float] | None:
 _COMPILED: dict[tuple, CompiledStep] = {}
 
 
-def compile_step(cfg: Config, compiler_options: dict | None = None) -> CompiledStep:
+def compile_step(cfg: Config, compiler_options: dict | None = None, target: str | None = None) -> CompiledStep:
     """Lower and compile the train step with abstract inputs on `cfg`'s mesh: nothing initialised,
-    nothing run. Cached per (config, options): tests and the CLI share one compile per layout."""
-    key = (cfg, tuple(sorted((compiler_options or {}).items())))
+    nothing run. `target`: a named compile-only target (parallel/targets.py: 'v5e-8', 'v5p-32'),
+    compiled by that target's own compiler; None: the devices JAX has. Cached per (config,
+    options, target): tests and the CLI share one compile per layout."""
+    key = (cfg, tuple(sorted((compiler_options or {}).items())), target)
     if key in _COMPILED:
         return _COMPILED[key]
     import time
 
     from parallax.train.build import build
 
-    built = build(cfg)
+    devices = None
+    if target is not None:
+        from parallax.parallel.targets import target as lookup, target_devices, target_mesh_shape
+
+        t = lookup(target)
+        target_mesh_shape(cfg.mesh, t)  # the mesh against the target's count, naming the target
+        devices = target_devices(t)
+        compiler_options = target_options(compiler_options, t.platform)
+    built = build(cfg, devices)
     started = time.perf_counter()
     lowered = built.train_step().lower(built.abstract_state(), built.abstract_batch())
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
     step = CompiledStep(compiled.as_text(), _memory_stats(compiled), _cost_stats(compiled), dict(built.mesh.shape),
-                        built.platform, time.perf_counter() - started)
+                        built.platform, time.perf_counter() - started, built.device_kind, target)
     _COMPILED[key] = step
     return step
 
@@ -364,12 +385,13 @@ def compare_collectives(found: list[Collective], terms: list) -> list[Row]:
     return rows
 
 
-def audit(cfg: Config, compiler_options: dict | None = None) -> dict:
-    """The whole audit as plain data (what `--json` prints)."""
+def audit(cfg: Config, compiler_options: dict | None = None, target: str | None = None) -> dict:
+    """The whole audit as plain data (what `--json` prints). `target`: compile for a named
+    compile-only target ('v5e-8': parallel/targets.py) with its own compiler, no device needed."""
     from parallax.analysis.collectives import collective_terms
     from parallax.analysis.cost import Grid, Workload, hardware_flops_per_device, memory_parts, model_flops_per_step
 
-    step = compile_step(cfg, compiler_options)
+    step = compile_step(cfg, compiler_options, target)
     w, g = Workload.of(cfg), Grid.of(cfg, step.mesh_shape)
     platform = "cpu" if step.platform == "cpu" else "accelerator"
     rows = compare_collectives(collectives(step.hlo, step.mesh_shape), collective_terms(w, g, platform))
@@ -381,6 +403,9 @@ def audit(cfg: Config, compiler_options: dict | None = None) -> dict:
     return {
         "mesh": step.mesh_shape,
         "platform": step.platform,
+        "device_kind": step.device_kind,
+        "target": step.target,
+        "compiler": _compiler(step.platform),
         "compile_s": round(step.compile_s, 2),
         "collectives": [
             {"axes": list(r.axes), "kind": r.kind, "ops": r.ops, "executions": r.executions, "bytes": r.bytes,
@@ -394,6 +419,18 @@ def audit(cfg: Config, compiler_options: dict | None = None) -> dict:
         "flops": {"model_per_step": model_flops_per_step(w), "model_per_device": model_flops_per_step(w) / n,
                   "executed_model": hw, "hlo_dots": dot_flops(step.hlo), "xla": step.cost},
     }
+
+
+def _compiler(platform: str) -> str:
+    """Which compiler produced the program: 'XLA:CPU (jaxlib 0.10.2)', 'XLA:TPU (libtpu 0.0.42.1)'."""
+    from importlib import metadata
+
+    package = {"cpu": "jaxlib", "tpu": "libtpu"}.get(platform, f"jax-{platform}-plugin")
+    try:
+        version = metadata.version(package)
+    except metadata.PackageNotFoundError:
+        version = "?"
+    return f"XLA:{platform.upper()} ({package} {version})"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,6 +495,9 @@ def add_audit_parser(sub) -> None:
     p.add_argument("experiment", help="an experiment file defining get_config()")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--json", action="store_true", help="print the audit as JSON")
+    p.add_argument("--target", metavar="NAME",
+                   help="compile for a named slice with its own compiler, no device needed (v5e-8, v6e-256, v5p-32, "
+                        "v4-128, tpu7x-8, 2xv5p-128; TPU needs libtpu)")
 
 
 def audit_command(args) -> int:
@@ -468,15 +508,31 @@ def audit_command(args) -> int:
     from parallax.train.distributed import configure_host_devices
 
     cfg = apply_overrides(load_experiment(args.experiment), args.set)
-    line = configure_host_devices(cfg)
+    target = getattr(args, "target", None)
+    if target is not None:
+        from parallax.parallel.targets import require_compiler, target as lookup, target_mesh_shape
+        from parallax.train.distributed import accelerator_platform
+
+        t = lookup(target)  # every bad --target is refused before JAX starts
+        target_mesh_shape(cfg.mesh, t)
+        require_compiler(t)
+        if accelerator_platform() is None:
+            # Compile-only devices need no backend of their own: JAX runs on the CPU, and an
+            # installed libtpu is not asked to find a TPU (it would say so on stderr).
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        line = f"parallax: compiling for {t.name} ({t.devices} compile-only {t.platform.upper()} devices, " \
+               f"{t.chips} chips; nothing runs)"
+    else:
+        line = configure_host_devices(cfg)
     if not args.json:
         print(line, flush=True)
-    a = audit(cfg, FAST_COMPILE)
+    a = audit(cfg, FAST_COMPILE, target)
     if args.json:
         print(json.dumps(a, default=float))
         return 0
     shape = " x ".join(f"{k}={v}" for k, v in a["mesh"].items())
-    title = (f"parallax audit: {cfg.name} on {shape} ({math.prod(a['mesh'].values())} {a['platform']} devices), "
-             f"compiled in {a['compile_s']:.1f} s (nothing initialised or run)")
+    on = f"{target}: {a['device_kind']}, " if target else ""
+    title = (f"parallax audit: {cfg.name} on {shape} ({on}{math.prod(a['mesh'].values())} {a['platform']} devices), "
+             f"compiled by {a['compiler']} in {a['compile_s']:.1f} s (nothing initialised or run)")
     print(format_report(a, title))
     return 0

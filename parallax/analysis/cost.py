@@ -36,15 +36,16 @@ ACCEL_LOGITS = 3.0
 
 @dataclass(frozen=True)
 class Workload:
-    """Everything but the layout: the model and the batch."""
+    """Everything but the layout: the model, the batch and the optimizer state's dtypes."""
 
     model: ModelConfig
     global_batch: int
     seq_len: int
+    mu_dtype: str = "float32"  # optim.mu_dtype: AdamW's first moment, 4 or 2 bytes per parameter
 
     @classmethod
     def of(cls, cfg: Config) -> Workload:
-        return cls(cfg.model, cfg.train.global_batch, cfg.train.seq_len)
+        return cls(cfg.model, cfg.train.global_batch, cfg.train.seq_len, cfg.optim.mu_dtype)
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,12 @@ class Dims:
                                                np.where(self.remat != NONE, self.units_run, 0)) * self.halves
 
 
+def optimizer_bytes_per_param(w: Workload) -> int:
+    """AdamW's state per parameter element: the first moment (optim.mu_dtype) and the float32
+    second moment; 8 bytes, 6 with a bfloat16 first moment."""
+    return (2 if w.mu_dtype == "bfloat16" else 4) + 4
+
+
 def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla") -> dict[str, Any]:
     """Bytes per device at the peak (the start of the backward pass), by part.
 
@@ -184,7 +191,8 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     c, D, F, H, N, K, T, t = s.c, s.D, s.F, s.H, s.N, s.K, s.T, s.t
     dshard = s.d  # ZeRO shards over data only (sharding.make_rules), experts or not
     params = 4 * s.params_t / np.where(s.zero == 3, dshard, 1)
-    opt = 8 * s.params_t / np.where(s.zero >= 1, dshard, 1)
+    # AdamW's two moments per parameter: mu in optim.mu_dtype (4 or 2 bytes), nu always float32
+    opt = (optimizer_bytes_per_param(w) * s.params_t) / np.where(s.zero >= 1, dshard, 1)
     # ZeRO-1 outside a pipeline: the backward loop slices each layer's reduced gradient to the
     # 1/data shard the update needs (the loop's output stacks are 1/data in the compiled step).
     layer_grads = 4 * s.Ldev * s.layer_t / np.where((s.zero == 3) | ((s.zero == 1) & ~s.piped), dshard, 1)

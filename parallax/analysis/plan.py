@@ -1,6 +1,6 @@
 """`parallax plan`: which layout should this model use on these devices?
 
-    parallax plan (EXPERIMENT.py | --preset NAME) [--set key=value ...] --devices N --device TYPE
+    parallax plan (EXPERIMENT.py | --preset NAME) [--set key=value ...] (--devices N --device TYPE | --target NAME)
                   [--devices-per-host K] [--attention xla|fused] [--noise-scale B | --noise-scale-from DIR]
                   [--top K] [--json]
 
@@ -387,8 +387,11 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("experiment", nargs="?", help="an experiment file defining get_config()")
     p.add_argument("--preset", help=f"a named model instead of an experiment ({', '.join(PRESETS)})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    p.add_argument("--devices", type=int, required=True, help="device count N")
-    p.add_argument("--device", required=True, help=f"device type ({', '.join(DEVICES)})")
+    p.add_argument("--devices", type=int, help="device count N (or --target)")
+    p.add_argument("--device", help=f"device type ({', '.join(DEVICES)}) (or --target)")
+    p.add_argument("--target", metavar="NAME",
+                   help="a named slice or GPU count giving both: v5e-8, v6e-256, v5p-32 (TensorCores: 16 chips), "
+                        "v4-128, 2xv5p-128, h100-64")
     p.add_argument("--devices-per-host", type=int, help="fast-domain size (default: the device type's)")
     p.add_argument("--attention", choices=("xla", "fused"), default="xla",
                    help="xla: parallax's attention today (materialised scores); fused: a flash-style kernel")
@@ -398,11 +401,34 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help='print {"layouts": [...]} best first')
 
 
+def _target_devices(args: argparse.Namespace) -> tuple[int, Device, int | None]:
+    """(device count, device type, fast-domain size or None) from --target, or --devices/--device.
+    A target's count and type are its own: a --devices or --device that disagrees is refused."""
+    name = getattr(args, "target", None)
+    if name is None:
+        if args.devices is None or args.device is None:
+            raise UserError("plan: give --devices N and --device TYPE, or --target NAME (e.g. v5p-32, h100-64)")
+        return args.devices, _device(args.device), None
+    from parallax.parallel.targets import target
+
+    t = target(name)
+    if args.devices is not None and args.devices != t.devices:
+        raise UserError(f"--devices {args.devices}: --target {t.name} has {t.devices} devices ({t.chips} chips); "
+                        "drop --devices or make it match")
+    if t.device_type is None:
+        raise UserError(f"--target {t.name}: the planner has no device entry for {t.name.split('-')[0]} yet "
+                        f"(known device types: {', '.join(DEVICES)})")
+    dev = DEVICES[t.device_type]
+    if args.device is not None and _device(args.device) is not dev:
+        raise UserError(f"--device {args.device}: --target {t.name} is {dev.name}; drop --device or make it match")
+    return t.devices, dev, t.fast_domain
+
+
 def plan_command(args: argparse.Namespace) -> int:
-    dev = _device(args.device)
+    args.devices, dev, domain = _target_devices(args)
     if args.devices <= 0:
         raise UserError(f"--devices: must be positive, got {args.devices}")
-    per_host = args.devices_per_host or dev.per_host
+    per_host = args.devices_per_host or domain or dev.per_host
     if per_host <= 0:
         raise UserError(f"--devices-per-host: must be positive, got {per_host}")
     w, cfg, note = _workload(args)
@@ -431,8 +457,9 @@ def plan_command(args: argparse.Namespace) -> int:
                           "search_s": round(result.seconds, 3), "notes": notes}))
         return 0
     n_params = sum(v for k, v in _param_counts(cfg.model).items() if k != "total")
+    on = f"{dev.name} (target {args.target})" if getattr(args, "target", None) else dev.name
     print(f"plan: {cfg.name} ({n_params / 1e9:.1f}B params, batch {w.global_batch} x {w.seq_len}) on {args.devices} "
-          f"{dev.name} ({per_host} per fast domain); {result.searched} layouts searched, {result.fitting} fit, "
+          f"{on} ({per_host} per fast domain); {result.searched} layouts searched, {result.fitting} fit, "
           f"{result.seconds:.2f} s")
     for line in notes:
         print(f"note: {line}")

@@ -57,7 +57,10 @@ from parallax.train.train_state import Layout, TrainState
 FORMAT = 1
 # Fields that fix the state's shapes: a change makes the checkpoint unusable, so it is refused
 # with the field's name. Shapes are also compared array by array (`check_shapes`), which catches
-# what this list does not name (FP8 history length, optimizer chain changes).
+# what this list does not name (FP8 history length, optimizer chain changes). Dtypes are not
+# compared: the restore reads each array into the dtype of the config's state (`DiskForm.target`),
+# so a run saved with one optim.mu_dtype resumes under the other (bfloat16 -> float32 exactly,
+# float32 -> bfloat16 rounded to nearest; tests/test_optim.py).
 STRUCTURAL = (
     "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.d_ff",
     "model.vocab_size", "model.tie_embeddings", "model.moe.num_experts", "model.moe.every",

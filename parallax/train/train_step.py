@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from parallax.config import Config
 from parallax.model.transformer import cross_entropy, moe_loss
 from parallax.model.fp8 import FP8_COLLECTION, fp8_metrics, fp8_variables, overwrite
-from parallax.train.optim import make_lr_schedule
+from parallax.train.optim import applied_count, make_lr_schedule
 from parallax.parallel.sharding import BATCH_AXES, logical_context
 from parallax.train.train_state import Layout, TrainState
 
@@ -166,8 +166,10 @@ def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch]
         state, grads, fp8_new, finite = jax.lax.optimization_barrier((state, grads, fp8_new, finite))
         params, opt_state, fp8 = update(state, grads, fp8_new)
         # "loss" is the cross-entropy, comparable across dense and MoE runs; the router losses
-        # that training also minimises are reported per layer beside it.
-        metrics = {"loss": ce, "grad_norm": grad_norm, "lr": schedule(state.step), **fp8_metrics(fp8),
+        # that training also minimises are reported per layer beside it. "lr" is read at the
+        # optimizer's own count, the one this update used: after skipped steps it trails state.step.
+        lr = schedule(applied_count(state.opt_state))
+        metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, **fp8_metrics(fp8),
                    **moe_metrics(stats, cfg.model.moe.every), **(norms[0] if norms else {}), "finite": finite}
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8)
         kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state.replace(step=new_state.step))

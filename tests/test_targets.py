@@ -1,0 +1,222 @@
+"""Named compile-only targets (parallel/targets.py): the table, the mesh on a target's devices,
+`parallax audit --target` / `audit(cfg, target=...)` compiled by the TPU compiler with no TPU,
+`parallax plan --target`, and every bad --target refused in one line with exit status 2.
+
+The TPU compiles go through libtpu (the test extra installs it; Linux x86_64 only). Under env CI
+a missing libtpu fails these tests instead of skipping them. One compile here: the tiny dense
+model on data 4 x tensor 2 for v5e-8, shared by the API and the CLI tests (audit.compile_step's
+cache), about 8 s on 2 cores.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from parallax.analysis.audit import FAST_COMPILE, audit
+from parallax.cli import main
+from parallax.config import Config, ConfigError, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
+from parallax.parallel import targets
+from parallax.parallel.mesh import make_mesh
+from parallax.parallel.targets import target, target_devices
+
+# TPU tiles are 128 lanes wide: the smallest model whose shapes the TPU compiler keeps as they are.
+MODEL = ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=256, dtype="bfloat16")
+CFG = Config(name="tiny_tpu", mesh=MeshConfig(data=4, tensor=2), model=MODEL,
+             train=TrainConfig(global_batch=8, seq_len=64))
+EXPERIMENT = """from parallax.config import Config, MeshConfig, ModelConfig, TrainConfig
+
+
+def get_config():
+    return Config(name="tiny_tpu", mesh=MeshConfig(data=4, tensor=2),
+                  model=ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=256,
+                                    dtype="bfloat16"),
+                  train=TrainConfig(global_batch=8, seq_len=64))
+"""
+
+
+@pytest.fixture(scope="module")
+def libtpu():
+    """The TPU compiler must be there: a failure under CI, a skip elsewhere."""
+    if not (sys.platform == "linux" and platform.machine() == "x86_64") or importlib.util.find_spec("libtpu") is None:
+        if os.environ.get("CI"):  # CI installs libtpu and must run these: never a silent skip there
+            pytest.fail("the compile-only TPU target tests need libtpu (Linux x86_64; the test extra installs it)")
+        pytest.skip("libtpu is not installed (it has wheels for Linux x86_64 only; the test extra installs it)")
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    path = tmp_path_factory.mktemp("targets") / "tiny_tpu.py"
+    path.write_text(EXPERIMENT)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def v5e_audit(libtpu):
+    """The audit of CFG compiled for v5e-8: the one compile of this file (the CLI test reuses it)."""
+    return audit(CFG, FAST_COMPILE, target="v5e-8")
+
+
+# ----------------------------------------------------------------------------------------------
+# The table
+
+
+@pytest.mark.parametrize("name, platform_, topology, devices, chips", [
+    ("v5e-8", "tpu", "v5e:2x4", 8, 8),  # v5e, v6e: N counts chips, one device each
+    ("v5litepod-16", "tpu", "v5e:4x4", 16, 16),
+    ("v6e-256", "tpu", "v6e:16x16", 256, 256),
+    ("v5p-32", "tpu", "v5p:2x2x4", 16, 16),  # v5p, v4: N counts TensorCores, 2 per chip (one device)
+    ("v5p-8192", "tpu", "v5p:16x16x16", 4096, 4096),
+    ("v4-128", "tpu", "v4:4x4x4", 64, 64),
+    ("tpu7x-8", "tpu", "tpu7x:2x2x1", 8, 4),  # Ironwood: N counts TensorCores, each its own device
+    ("tpu7x-256", "tpu", "tpu7x:4x4x8", 256, 128),
+    ("2xv5p-128", "tpu", "v5p:4x4x4", 128, 128),  # two slices
+    ("h100-64", "gpu", None, 64, 64),
+])
+def test_target_table(name, platform_, topology, devices, chips):
+    t = target(name)
+    assert (t.platform, t.topology, t.devices, t.chips) == (platform_, topology, devices, chips)
+    assert t.name in targets.known_names() or t.slices > 1 or "litepod" in name
+
+
+@pytest.mark.parametrize("name, devices, kind", [
+    ("v5e-8", 8, "TPU v5 lite"), ("v6e-256", 256, "TPU v6 lite"), ("v5p-32", 16, "TPU v5"), ("v4-128", 64, "TPU v4"),
+    ("tpu7x-8", 8, "TPU7x"), ("2xv5e-8", 16, "TPU v5 lite"),
+])
+def test_target_devices_are_libtpus_compile_only_devices(libtpu, name, devices, kind):
+    found = target_devices(name)  # raises if libtpu's count disagrees with the table
+    assert len(found) == devices and {d.platform for d in found} == {"tpu"} and found[0].device_kind == kind
+    assert len({getattr(d, "slice_index", 0) for d in found}) == target(name).slices
+
+
+def test_libtpu_warnings_stay_off_the_users_screen(libtpu):
+    """libtpu, with no TPU, writes TPU_ACCELERATOR_TYPE / worker-hostname warnings to fd 2 when it
+    makes a topology; target_devices keeps them there."""
+    code = "from parallax.parallel.targets import target_devices; print(len(target_devices('v5e-8')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert (out.returncode, out.stdout, out.stderr) == (0, "8\n", ""), out.stderr
+
+
+def test_build_on_a_target_uses_its_devices_in_make_mesh_order(libtpu):
+    from parallax.train.build import build
+
+    devices = target_devices("v5e-8")
+    built = build(CFG, devices)
+    assert built.mesh.devices.tolist() == make_mesh(CFG.mesh, devices).devices.tolist()
+    assert set(built.mesh.devices.flat) == set(devices) and dict(built.mesh.shape)["tensor"] == 2
+    assert (built.platform, built.parallelism.platform) == ("tpu", "tpu")
+    # tensor innermost: each tensor pair is on one host (4 chips per v5e host)
+    for row in built.mesh.devices.reshape(4, 2, -1)[..., 0]:
+        assert len({d.process_index for d in row}) == 1
+    # the CPU-only guards are XLA:CPU's: a bfloat16 pipeline is refused on CPU, built for a TPU
+    piped = dataclasses.replace(CFG, mesh=MeshConfig(data=2, tensor=2, pipe=2),
+                                parallel=ParallelConfig(microbatches=2))
+    with pytest.raises(ConfigError, match="bfloat16"):
+        build(piped)
+    assert build(piped, devices).parallelism.platform == "tpu"
+    # two slices: data crosses the data-centre network (outer half per slice), tensor never does
+    grid = build(dataclasses.replace(CFG, mesh=MeshConfig(data=8, tensor=2)), target_devices("2xv5e-8")).mesh.devices
+    slices = [[d.slice_index for d in row] for row in grid[:, :, 0, 0]]
+    assert slices == [[0, 0]] * 4 + [[1, 1]] * 4, slices
+
+
+# ----------------------------------------------------------------------------------------------
+# audit --target: compiled by the TPU compiler
+
+
+def test_audit_for_v5e_8_reads_the_tpu_compilers_collectives(v5e_audit):
+    a = v5e_audit
+    assert (a["platform"], a["target"], a["device_kind"]) == ("tpu", "v5e-8", "TPU v5 lite")
+    assert a["compiler"].startswith("XLA:TPU (libtpu ")
+    assert a["mesh"] == {"data": 4, "tensor": 2, "pipe": 1, "expert": 1}
+    rows = {(tuple(r["axes"]), r["kind"]): r for r in a["collectives"]}
+    reductions = ("all-reduce", "reduce-scatter")
+    for axis in ("data", "tensor"):
+        found = [r for (axes, kind), r in rows.items() if axes == (axis,) and kind in reductions]
+        assert found and sum(r["bytes"] for r in found) > 0 and sum(r["model_bytes"] for r in found) > 0, rows
+    assert a["memory"]["xla"] and a["memory"]["xla"]["peak"] > 0  # the TPU compiler's memory analysis
+    assert set(a["axes"]) >= {"data", "tensor"}
+
+
+def test_audit_cli_target_prints_the_tpu_report_and_nothing_on_stderr(v5e_audit, experiment, capfd):
+    assert main(["audit", experiment, "--target", "v5e-8"]) == 0
+    out, err = capfd.readouterr()
+    assert err == ""
+    assert "compiling for v5e-8 (8 compile-only TPU devices, 8 chips; nothing runs)" in out
+    assert "on data=4 x tensor=2 x pipe=1 x expert=1 (v5e-8: TPU v5 lite, 8 tpu devices), compiled by XLA:TPU" in out
+    assert any(line.split()[:2] == ["data", "all-reduce"] for line in out.splitlines()), out
+    assert any(line.split()[:2] == ["tensor", "all-reduce"] for line in out.splitlines()), out
+    assert "memory per device: XLA" in out
+
+
+# ----------------------------------------------------------------------------------------------
+# plan --target
+
+
+def test_plan_takes_count_and_device_type_from_the_target(capsys):
+    def plan(*argv):
+        assert main(["plan", "--preset", "llama2-70b", "--top", "3", *argv, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["layouts"]
+
+    assert plan("--target", "v5p-512") == plan("--devices", "256", "--device", "v5p")
+    assert plan("--target", "h100-64") == plan("--devices", "64", "--device", "h100")
+    assert plan("--target", "v5p-512", "--devices", "256", "--device", "tpu-v5p") == plan("--target", "v5p-512")
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one line naming the target or field, exit 2
+
+
+def _refused(capsys, argv, *words):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("name, words", [
+    ("v9z-8", ("'v9z-8'", "unknown target", "v5e-8", "v5p-32")),
+    ("v5e-7", ("'v5e-7'", "counts chips", "v5e-8")),
+    ("v5p-24", ("'v5p-24'", "TensorCores", "v5p-32")),
+    ("h100-12", ("'h100-12'", "multiple of 8")),
+    ("tpu", ("'tpu'", "unknown target")),
+])
+def test_unknown_target_is_refused(capsys, experiment, name, words):
+    _refused(capsys, ["audit", experiment, "--target", name], *words)
+    _refused(capsys, ["plan", "--preset", "llama2-70b", "--target", name], *words)
+
+
+def test_target_without_its_compiler_names_the_package(capsys, experiment, monkeypatch):
+    # GPU: the CUDA plugin is not installed here (and GPU targets do not compile yet)
+    if not targets.compiler_installed(target("h100-8")):
+        _refused(capsys, ["audit", experiment, "--target", "h100-8"], "h100-8", "jax[cuda12]", "jax-cuda12-plugin")
+    # TPU, as on a machine without libtpu
+    monkeypatch.setattr(targets, "compiler_installed", lambda t: False)
+    _refused(capsys, ["audit", experiment, "--target", "v5e-8"], "v5e-8", "not installed", "libtpu")
+
+
+def test_mesh_that_does_not_fit_the_target_is_refused(capsys, experiment):
+    _refused(capsys, ["audit", experiment, "--target", "v5e-16", "--set", "mesh.data=4"],
+             "v5e-16", "16 devices", "mesh.data=4", "mesh.tensor=2", ": 8 devices")
+    _refused(capsys, ["audit", experiment, "--target", "v5e-8", "--set", "mesh.data=-1", "--set", "mesh.tensor=3"],
+             "v5e-8", "8 devices", "mesh.data=-1", "mesh.tensor=3")
+    with pytest.raises(targets.TargetMeshMismatch, match="v5p-32 has 16 devices"):
+        targets.target_mesh_shape(MeshConfig(data=4, tensor=2), target("v5p-32"))
+
+
+def test_plan_refuses_a_devices_count_the_target_contradicts(capsys):
+    _refused(capsys, ["plan", "--preset", "llama2-70b", "--target", "v5p-32", "--devices", "32"],
+             "--devices 32", "v5p-32", "16 devices")
+    _refused(capsys, ["plan", "--preset", "llama2-70b", "--target", "v5p-32", "--device", "h100"],
+             "--device h100", "v5p-32")
+    _refused(capsys, ["plan", "--preset", "llama2-70b", "--target", "tpu7x-8"], "tpu7x-8", "no device entry")
+    _refused(capsys, ["plan", "--preset", "llama2-70b"], "--devices", "--target")
