@@ -35,7 +35,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from parallax.analysis.audit import collectives  # noqa: E402
+from parallax.analysis.hlo import collectives  # noqa: E402
 from parallax.train.build import build  # noqa: E402
 from parallax.config import Config, load_experiment, stack_length  # noqa: E402
 from parallax.train.data import make_global_batch, open_data  # noqa: E402

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     from jax.experimental import topologies
 
-    from parallax.analysis.audit import collectives
+    from parallax.analysis.hlo import collectives
     from parallax.train.build import build
     from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
     from parallax.model.fp8 import transformer_dot_generals

@@ -14,7 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from parallax.analysis.audit import FAST_COMPILE, collectives, compile_step, groups_to_axes, summarize
+from parallax.analysis.audit import FAST_COMPILE, compile_step
+
+from parallax.analysis.hlo import collectives, groups_to_axes, summarize
 from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
 from parallax.parallel.mesh import make_mesh
 from parallax.train.train_state import init_state, make_layout

@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallax.analysis.audit import FAST_COMPILE, collectives, compile_step
+from parallax.analysis.audit import FAST_COMPILE, compile_step
+
+from parallax.analysis.hlo import collectives
 from parallax.config import Config, Fp8Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
 from parallax.analysis.collectives import collective_terms
 from parallax.analysis.cost import Grid, Workload

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallax.analysis.audit import FAST_COMPILE, collectives, compile_step
+from parallax.analysis.audit import FAST_COMPILE, compile_step
+
+from parallax.analysis.hlo import collectives
 from parallax.config import (Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig,
                              apply_overrides, moe_capacity)
 from parallax.parallel.mesh import available_devices, make_mesh

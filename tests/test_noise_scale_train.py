@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from parallax.analysis.audit import collectives
+from parallax.analysis.hlo import collectives
 from parallax import parallelism
 from parallax.config import (Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig,
                              ParallelConfig, TrainConfig)

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from parallax.analysis.audit import collectives
+from parallax.analysis.hlo import collectives
 from parallax import parallelism
 from parallax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from parallax.parallel.mesh import available_devices, make_mesh

@@ -20,7 +20,9 @@ import jax
 import numpy as np
 import pytest
 
-from parallax.analysis.audit import FAST_COMPILE, audit, collectives, compile_step
+from parallax.analysis.audit import FAST_COMPILE, audit, compile_step
+
+from parallax.analysis.hlo import collectives
 from parallax import parallelism
 from parallax.config import (Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, MoEConfig, OptimConfig,
                              ParallelConfig, TrainConfig)

@@ -17,7 +17,7 @@ ORDER = [
     "parallel.mesh", "parallel.targets", "parallel.sharding", "parallel.expert_parallel", "parallel.pipeline", "parallel.pipeline_1f1b",
     "train.distributed", "train.optim", "train.train_state", "train.data", "train.train_step", "train.build",
     "train.checkpoint", "train.metrics", "train.loop",
-    "analysis.cost", "analysis.collectives", "analysis.audit", "analysis.presets", "analysis.plan",
+    "analysis.cost", "analysis.collectives", "analysis.hlo", "analysis.audit", "analysis.presets", "analysis.plan",
     "cli", "__main__",
 ]
 SUBPACKAGES = ("model", "parallel", "train", "analysis")
