@@ -342,9 +342,14 @@ DECAY_SHAPES = ("linear", "1-sqrt")  # optim.decay_shape (wsd)
 MU_DTYPES = ("float32", "bfloat16")  # optim.mu_dtype
 
 
+def choice_error(key: str, value: str, allowed: tuple[str, ...]) -> str:
+    """The one line refusing a named choice that is not one of `allowed` (parallelism.RULES too)."""
+    return f"{key}: must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+
+
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ConfigError(f"{key}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        raise ConfigError(choice_error(key, value, allowed))
 
 
 def check_optim(cfg: Config) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from parallax.config import Config, ConfigError, expert_d_ff, stack_length
+from parallax.config import Config, ConfigError, choice_error, expert_d_ff, stack_length
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
 REMATS = ("none", "full", "dots")
@@ -174,9 +174,6 @@ class View:
         self.units = stack_length(cfg.model)
         self.cpu = platform == "cpu"
 
-    def sizes(self) -> str:
-        return f"mesh.data={self.data} x mesh.tensor={self.tensor} x mesh.pipe={self.pipe} x mesh.expert={self.expert}"
-
 
 @dataclass(frozen=True)
 class Rule:
@@ -190,11 +187,6 @@ class Rule:
     layout: bool = True
 
 
-def _names(field: str, value: str, allowed: tuple[str, ...]) -> str:
-    quoted = [repr(a) for a in allowed]
-    return f"{field}: must be {', '.join(quoted[:-1])} or {quoted[-1]}, got {value!r}"
-
-
 def _tensor_divides(attr: str) -> Rule:
     return Rule(f"tensor_{attr}", lambda v: getattr(v.m, attr) % v.tensor == 0,
                 lambda v: f"model.{attr}={getattr(v.m, attr)} must be divisible by mesh.tensor={v.tensor}")
@@ -203,17 +195,17 @@ def _tensor_divides(attr: str) -> Rule:
 RULES: tuple[Rule, ...] = (
     # names (a bad one makes its index -1 in the View, so it is checked before anything reads it)
     Rule("dtype", lambda v: np.asarray(v.m.dtype in COMPUTE_DTYPES),
-         lambda v: _names("model.dtype", v.m.dtype, COMPUTE_DTYPES), layout=False),
+         lambda v: choice_error("model.dtype", v.m.dtype, COMPUTE_DTYPES), layout=False),
     Rule("zero", lambda v: np.isin(v.zero, ZERO_STAGES), lambda v: f"parallel.zero: must be 0, 1 or 3, got {v.zero}"),
-    Rule("remat", lambda v: v.remat >= 0, lambda v: _names("parallel.remat", v.cfg.parallel.remat, REMATS)),
+    Rule("remat", lambda v: v.remat >= 0, lambda v: choice_error("parallel.remat", v.cfg.parallel.remat, REMATS)),
     Rule("schedule", lambda v: v.schedule >= 0,
-         lambda v: _names("parallel.schedule", v.cfg.parallel.schedule, SCHEDULES)),
+         lambda v: choice_error("parallel.schedule", v.cfg.parallel.schedule, SCHEDULES)),
     Rule("grad_reduce", lambda v: v.grad_reduce >= 0,
-         lambda v: _names("parallel.grad_reduce_dtype", v.cfg.parallel.grad_reduce_dtype, GRAD_REDUCE_DTYPES)),
+         lambda v: choice_error("parallel.grad_reduce_dtype", v.cfg.parallel.grad_reduce_dtype, GRAD_REDUCE_DTYPES)),
     Rule("dispatch", lambda v: np.asarray(v.m.moe.dispatch in MOE_DISPATCH),
-         lambda v: _names("model.moe.dispatch", v.m.moe.dispatch, MOE_DISPATCH), layout=False),
+         lambda v: choice_error("model.moe.dispatch", v.m.moe.dispatch, MOE_DISPATCH), layout=False),
     Rule("fp8_recipe", lambda v: np.asarray(v.cfg.fp8.recipe in FP8_RECIPES),
-         lambda v: _names("fp8.recipe", v.cfg.fp8.recipe, FP8_RECIPES), layout=False),
+         lambda v: choice_error("fp8.recipe", v.cfg.fp8.recipe, FP8_RECIPES), layout=False),
     # the model's own shapes
     Rule("heads", lambda v: np.asarray(v.m.d_model % v.m.n_heads == 0),
          lambda v: f"model.d_model={v.m.d_model} must be divisible by model.n_heads={v.m.n_heads}", layout=False),
