@@ -95,6 +95,12 @@ class ParallelConfig:
     # `expert` outside MoE layers): float32 as Megatron's main_grad, whatever model.dtype is;
     # bfloat16 halves the reduction's bytes at bf16 rounding of every partial sum
     grad_reduce_dtype: str = "float32"
+    # positions of T per chunk of the fused loss head (model/vocab.py): the peak holds one chunk's
+    # [B, chunk, V/tensor] float32 logits, never the whole [B, T, V]; 0: all T in one chunk
+    loss_chunk: int = 1024
+    # query positions per block of XLA's attention (model/attention.py): one block's float32
+    # [B, N, chunk, T] scores live instead of [B, N, T, T], recomputed in the backward; 0: all T
+    attention_chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,9 @@ class TrainConfig:
     log_every: int = 1
     max_bad_steps: int = 10  # consecutive non-finite (skipped) steps that stop the run
     noise_scale: bool = False  # estimate the gradient noise scale from per-batch-shard gradients (train_step.py)
+    # microsteps per step: the global batch runs as grad_accum scanned microsteps of global_batch / grad_accum
+    # rows, gradients summed in float32 (train_step.accumulate); activations of one microstep at a time
+    grad_accum: int = 1
 
 
 @dataclass(frozen=True)
@@ -285,12 +294,13 @@ FIELD_RANGES: dict[str, tuple] = {
     "model.moe.num_experts": _COUNT, "model.moe.top_k": _SIZE, "model.moe.every": _SIZE, "model.moe.d_ff": _COUNT,
     "model.moe.shared_experts": _COUNT, "model.moe.aux_loss_weight": _NONNEG, "model.moe.z_loss_weight": _NONNEG,
     "fp8.amax_history_length": _SIZE, "fp8.margin": _NONNEG,
-    "parallel.microbatches": _SIZE, "parallel.repeats": _SIZE,
+    "parallel.microbatches": _SIZE, "parallel.repeats": _SIZE, "parallel.loss_chunk": _COUNT, "parallel.attention_chunk": _COUNT,
     "optim.warmup_steps": _COUNT, "optim.min_lr_ratio": (0.0, 1.0, False, False), "optim.weight_decay": _NONNEG,
     "optim.b1": _UNIT_OPEN_1, "optim.b2": _UNIT_OPEN_1, "optim.eps": _POS,
     "optim.decay_fraction": (0.0, 1.0, True, False),
     "data.val_fraction": (0.0, 1.0, True, True),
-    **{f"train.{k}": _SIZE for k in ("steps", "global_batch", "seq_len", "eval_batches", "log_every", "max_bad_steps")},
+    **{f"train.{k}": _SIZE for k in ("steps", "global_batch", "seq_len", "eval_batches", "log_every", "max_bad_steps",
+                                     "grad_accum")},
     "train.lr": _POS, "train.seed": (0, INT64, False, False),
     "checkpoint.keep": _SIZE, "checkpoint.background_nice": (0, 19, False, False),
 }

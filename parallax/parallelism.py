@@ -192,6 +192,16 @@ def _tensor_divides(attr: str) -> Rule:
                 lambda v: f"model.{attr}={getattr(v.m, attr)} must be divisible by mesh.tensor={v.tensor}")
 
 
+def _divides_seq(field: str) -> Rule:
+    """parallel.<field>: positions of T per chunk; 0 or >= T is one chunk, else it divides T."""
+    def ok(v: View) -> Any:
+        n, t = getattr(v.cfg.parallel, field), v.cfg.train.seq_len
+        return np.asarray(n <= 0 or n >= t or t % n == 0)
+
+    return Rule(field, ok, lambda v: f"parallel.{field}={getattr(v.cfg.parallel, field)} must divide "
+                                     f"train.seq_len={v.cfg.train.seq_len} (or be 0 or >= it: one chunk)", layout=False)
+
+
 RULES: tuple[Rule, ...] = (
     # names (a bad one makes its index -1 in the View, so it is checked before anything reads it)
     Rule("dtype", lambda v: np.asarray(v.m.dtype in COMPUTE_DTYPES),
@@ -265,6 +275,20 @@ RULES: tuple[Rule, ...] = (
     Rule("microbatch_rows", lambda v: (v.microbatches == 1) | (v.cfg.train.global_batch % (v.microbatches * v.dp) == 0),
          lambda v: f"train.global_batch={v.cfg.train.global_batch} must be divisible by parallel.microbatches x "
                    f"mesh.data x mesh.expert = {v.microbatches} x {v.dp}"),
+    # gradient accumulation (train.grad_accum): microstep k takes row block k of every batch shard
+    Rule("grad_accum_rows", lambda v: v.cfg.train.global_batch % (v.cfg.train.grad_accum * v.dp) == 0,
+         lambda v: f"train.grad_accum={v.cfg.train.grad_accum} must divide the per-replica batch train.global_batch / "
+                   f"(mesh.data x mesh.expert) = {v.cfg.train.global_batch} / {v.dp}"),
+    Rule("grad_accum_pipe", lambda v: (v.cfg.train.grad_accum == 1) | ~v.piped,
+         lambda v: f"train.grad_accum={v.cfg.train.grad_accum}: not with pipelining (mesh.pipe={v.pipe}, "
+                   f"parallel.microbatches={v.microbatches}); use parallel.microbatches for the pipeline's microbatches"),
+    Rule("grad_accum_noise", lambda v: np.asarray(v.cfg.train.grad_accum == 1 or not v.cfg.train.noise_scale),
+         lambda v: f"train.grad_accum={v.cfg.train.grad_accum}: not with train.noise_scale (yet)", layout=False),
+    # (each microstep's loss is a mean over its own rows: its output gradients are grad_accum times the
+    # big batch's, so the E5M2 quantisation and the output-gradient amax history would differ)
+    Rule("grad_accum_fp8", lambda v: np.asarray(v.cfg.train.grad_accum == 1 or not v.cfg.fp8.enabled),
+         lambda v: f"train.grad_accum={v.cfg.train.grad_accum}: not with fp8.enabled (yet): the microsteps' output "
+                   "gradients, amaxes and FP8 state would not match the full batch's", layout=False),
     # FP8
     Rule("fp8_logits", lambda v: np.asarray(v.cfg.fp8.enabled or not v.cfg.fp8.logits),
          lambda v: "fp8.logits=True needs fp8.enabled=True (it would be silently ignored)", layout=False),
@@ -286,6 +310,8 @@ RULES: tuple[Rule, ...] = (
     # (the per-shard vmap cannot carry the expert all-to-all's shard_map)
     Rule("noise_expert", lambda v: ~np.asarray(v.cfg.train.noise_scale) | (v.expert == 1),
          lambda v: f"train.noise_scale: not with mesh.expert={v.expert} (yet); use mesh.expert=1"),
+    _divides_seq("loss_chunk"),
+    _divides_seq("attention_chunk"),
     Rule("noise_ragged",
          lambda v: np.asarray(not (v.cfg.train.noise_scale and v.moe and v.m.moe.dispatch == "ragged")),
          lambda v: "train.noise_scale: not with model.moe.dispatch='ragged' (yet); use dispatch=capacity",

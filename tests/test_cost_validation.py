@@ -31,6 +31,10 @@ LAYOUTS = {
     "d4_t2_zero0": (M42, ParallelConfig(zero=0), AUDIT_MODEL, AUDIT_TRAIN),
     "d4_t2_zero1": (M42, ParallelConfig(zero=1), AUDIT_MODEL, AUDIT_TRAIN),
     "d4_t2_zero3": (M42, ParallelConfig(zero=3), AUDIT_MODEL, AUDIT_TRAIN),
+    # the fused loss head in 4 chunks of T (vocab.fused_cross_entropy): its collectives per chunk
+    "d4_t2_zero1_loss4": (M42, ParallelConfig(zero=1, loss_chunk=8), AUDIT_MODEL, AUDIT_TRAIN),
+    # XLA's attention in 4 blocks of query rows, each checkpointed (model/attention.py)
+    "d4_t2_zero1_attn4": (M42, ParallelConfig(zero=1, attention_chunk=8), AUDIT_MODEL, AUDIT_TRAIN),
     "d8_full_bf16": (MeshConfig(data=8), ParallelConfig(remat="full"), BF16, TRAIN),
     "d2_t4_dots": (MeshConfig(data=2, tensor=4), ParallelConfig(remat="dots"),
                    dataclasses.replace(MODEL, n_kv_heads=4), TRAIN),

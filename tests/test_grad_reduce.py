@@ -40,7 +40,8 @@ from parallax.model.fp8 import FP8_COLLECTION, Fp8DotGeneral, fp8_variables
 from parallax.model.layers import ParamUse
 from parallax.model.logical import ParamPlacement
 from parallax.parallel.mesh import make_mesh
-from parallax.model.transformer import Transformer, cross_entropy
+from parallax.model.transformer import Transformer
+from parallax.model.vocab import cross_entropy
 from parallax.parallel.sharding import param_placer
 from parallax.train.train_state import init_state, make_layout
 from parallax.train.train_step import batch_sharding, make_grad_fn, make_train_step

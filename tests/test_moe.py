@@ -167,10 +167,10 @@ def _grads(cfg: Config, devices=None, with_stats: bool = False):
         grads = {**grads, "layers": to_layer_major(grads["layers"])}
     out = (float(loss), jax.tree.map(np.asarray, grads))
     if with_stats:
-        def stats_of(params, inputs):
+        def stats_of(params, inputs, targets):
             with logical_context(layout.mesh, layout.rules):
-                return layout.apply(params, inputs)[1]
-        out += (jax.tree.map(np.asarray, jax.jit(stats_of)(state.params, batch["inputs"])),)
+                return layout.apply(params, inputs, targets)[1]
+        out += (jax.tree.map(np.asarray, jax.jit(stats_of)(state.params, batch["inputs"], batch["targets"])),)
     return out
 
 

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "parallax"
 # the mesh, a training run, reading a layout without running it), then the command line.
 ORDER = [
     "config", "parallelism",
-    "model.logical", "model.layers", "model.attention", "model.fp8", "model.moe", "model.transformer",
+    "model.logical", "model.layers", "model.vocab", "model.attention", "model.fp8", "model.moe", "model.transformer",
     "parallel.mesh", "parallel.targets", "parallel.sharding", "parallel.expert_parallel", "parallel.pipeline", "parallel.pipeline_1f1b",
     "train.distributed", "train.optim", "train.train_state", "train.data", "train.train_step", "train.build",
     "train.checkpoint", "train.metrics", "train.loop",

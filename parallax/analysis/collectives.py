@@ -156,17 +156,19 @@ def _moe_tensor_terms(s: Dims, out: _Terms) -> None:
 
 
 def _outer_tensor_terms(s: Dims, out: _Terms) -> None:
-    """Outside the stack. layers.Embed: a one-hot matmul with `vocab` over tensor, one [B, T, D]
-    partial sum forward (transformer.Transformer.embed_tokens); the logits projection (layers.Dense, or
-    Embed.attend tied) one backward, for its input gradient; transformer.cross_entropy's log-softmax
-    over the vocab shards: 3 float32 [B, T] all-reduces (max, sum, target logit). Sequence
+    """Outside the stack. vocab.Embed: a gather with `vocab` over tensor, one [B, T, D] partial
+    sum forward (transformer.Transformer.embed_tokens); the fused loss head (vocab.fused_cross_entropy)
+    per chunk of T (Dims.loss_chunks): forward 3 float32 [B, chunk] all-reduces over the vocab
+    shards (max, sum, target logit), backward one partial sum of its input gradient. Sequence
     parallelism: transformer.Transformer.head gathers the final norm's output, the embedding's table
     gradient the cotangent of its output, and the final norm's scale gradient is a partial sum.
     1F1B runs the head per microbatch in a `lax.cond` (pipeline_1f1b), counted every tick."""
     on_t, f1b, sp, t = s.t > 1, s.f1b, s.sp, s.t
     per_head, head_static = np.where(f1b, s.M, 1), np.where(f1b, s.ticks, 1)
     out.partial_sum(s, "embedding forward (vocab-parallel)", s.act, 1, on_t)
-    out.partial_sum(s, "logits backward (vocab-parallel)", np.where(f1b, s.act_m, s.act), per_head, on_t, head_static)
+    n = s.loss_chunks
+    out.partial_sum(s, "logits backward (vocab-parallel)", np.where(f1b, s.act_m, s.act) / n, per_head * n, on_t,
+                    head_static * n)
     out.add(("tensor",), "all-gather", "sequence-parallel final-norm gather", np.where(f1b, s.act_m, s.act),
             per_head, on_t & sp, "exposed", head_static, t)
     out.add(("tensor",), "all-gather", "sequence-parallel embedding cotangent gather", s.act, 1, on_t & sp, "exposed",
@@ -174,8 +176,8 @@ def _outer_tensor_terms(s: Dims, out: _Terms) -> None:
     out.add(("tensor",), "all-reduce", "sequence-parallel final-norm scale gradient", 4 * s.D, per_head, on_t & sp,
             "exposed", head_static, t)
     rows_f32 = s.tok * 4  # one float32 value per token
-    out.add(("tensor",), "all-reduce", "cross-entropy max, sum, target", np.where(f1b, rows_f32 / s.M, rows_f32),
-            np.where(f1b, 3 * s.M, 3), on_t, "exposed", np.where(f1b, 3 * s.ticks, 3), t)
+    out.add(("tensor",), "all-reduce", "cross-entropy max, sum, target", np.where(f1b, rows_f32 / s.M, rows_f32) / n,
+            np.where(f1b, 3 * s.M, 3) * n, on_t, "exposed", np.where(f1b, 3 * s.ticks, 3) * n, t)
 
 
 def expert_terms(s: Dims) -> list[Term]:
@@ -312,10 +314,10 @@ def _outer_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
     for kind, on, shard in r.kinds:
         out.add(r.axes, kind, "embedding, head and final-norm gradients", (tables + 4 * s.D) / shard, 1,
                 (dp > 1) & on & ~split, "backward", None, dp)
-        out.add(("data",), kind, "embedding and head gradients over data (ZeRO-1 with experts)",
-                tables / np.where(shard > 1, s.d, 1), 1, on & split, "backward", None, s.d)
-    out.add(("expert",), "all-reduce", "embedding and head gradients, 1/data slice over expert (ZeRO-1 with experts)",
-            tables / s.d, 1, split, "backward", None, s.ep)
+    # ZeRO-1 with experts: the tables' gradients leave the vocabulary ends (model/vocab.py) pinned
+    # to their compute layout, so they are reduced over data x expert at once, whole
+    out.add(r.axes, "all-reduce", "embedding and head gradients (ZeRO-1 with experts)", tables, 1, split, "backward",
+            None, dp)
     out.add(r.axes, "all-reduce", "final-norm gradient (ZeRO-1 with experts)", 4 * s.D, 1, split, "backward", None, dp)
 
 

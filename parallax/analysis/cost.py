@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from parallax.config import Config, ModelConfig, expert_d_ff, moe_capacity
+from parallax.config import Config, ModelConfig, ParallelConfig, expert_d_ff, moe_capacity
 from parallax.parallelism import CIRCULAR, DOTS, FULL, GPIPE, NONE, ONE_F_ONE_B, layout_fields, pipelined, ticks
 
 # XLA:CPU activation memory, read off 71 compiles (experiments/calibrate_cost.py: d_model, d_ff,
@@ -23,7 +23,11 @@ from parallax.parallelism import CIRCULAR, DOTS, FULL, GPIPE, NONE, ONE_F_ONE_B,
 # and dtype, plus pipeline and ZeRO layouts; a model the validation tests do not use).
 CPU_FULL_SAVED = 2.0  # remat=full keeps the block input twice (the scan carry and its stack)
 CPU_WORKING = 0.8  # one layer's backward needs ~0.8 of its un-rematted residuals live at once
-CPU_LOGITS = 3.0  # logits, their softmax and gradient: ~3 float32 [B, T, V/tensor] buffers
+# The fused loss head's float32 [B, chunk, V/tensor] buffers at the peak (model/vocab.py): the
+# logits, the exponent and the logits gradient. Kept at 3 after the fused head replaced the
+# one-hot + log-softmax one: tests/test_cost_validation.py's layouts are then within 11% (the
+# only one whose peak is at the head, gpipe_d2_p4_zero1_full, +7%).
+CPU_LOGITS = 3.0
 F1B_WORKING = 1.5  # 1F1B: the stage vjp's backward temporaries on top of its residuals
 # MoE FFN residuals per slot (D- and F-sized, activation dtype) and per token (float32 [E]-sized
 # router buffers), un-rematted: see "Cost model: MoE" in BUILD_NOTES.md for the fit.
@@ -42,10 +46,13 @@ class Workload:
     global_batch: int
     seq_len: int
     mu_dtype: str = "float32"  # optim.mu_dtype: AdamW's first moment, 4 or 2 bytes per parameter
+    loss_chunk: int = ParallelConfig.loss_chunk  # parallel.loss_chunk: T positions per loss-head chunk
+    attention_chunk: int = ParallelConfig.attention_chunk  # parallel.attention_chunk: query positions per block
 
     @classmethod
     def of(cls, cfg: Config) -> Workload:
-        return cls(cfg.model, cfg.train.global_batch, cfg.train.seq_len, cfg.optim.mu_dtype)
+        return cls(cfg.model, cfg.train.global_batch, cfg.train.seq_len, cfg.optim.mu_dtype, cfg.parallel.loss_chunk,
+                   cfg.parallel.attention_chunk)
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,10 @@ class Dims:
         self.ticks = ticks(self.sched, p, self.M, self.r)
         self.rows = w.global_batch / self.dp  # rows per batch shard
         self.tok = self.rows * self.T  # tokens per batch shard
+        # the fused loss head's chunks over T (vocab.loss_chunk_length: one when 0 or >= T)
+        self.loss_chunks = self.T // w.loss_chunk if 0 < w.loss_chunk < self.T else 1
+        # query rows of XLA's attention live at once (attention.causal_attention's blocks)
+        self.query_rows = w.attention_chunk if 0 < w.attention_chunk < self.T else self.T
         # MoE (model.moe): E experts of hidden Fe, top-k, S shared experts, C slots per expert and sequence.
         mo = m.moe
         self.moe = int(bool(mo.num_experts))
@@ -198,7 +209,9 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     layer_grads = 4 * s.Ldev * s.layer_t / np.where((s.zero == 3) | ((s.zero == 1) & ~s.piped), dshard, 1)
     grads = layer_grads + 4 * s.outer_t / np.where(s.zero == 3, dshard, 1)
     heads = N / t
-    scores = heads * T * 13 if attention == "xla" else heads * 4  # bool mask + 3 float32 / log-sum-exp
+    # bool mask + 3 float32 per score of the live query rows (all T, or one block: then, with
+    # remat none, counted once per layer though the checkpointed block keeps none) / log-sum-exp
+    scores = heads * s.query_rows * 13 if attention == "xla" else heads * 4
     # Residuals of one un-rematted block per token (jax.ad_checkpoint.print_saved_residuals):
     # x, x after attention, 2 x (normed float32 + scaled) ; q, k, v, attention output; 6 F-sized.
     # Sequence parallelism (sp_t = t, else 1): the residual-stream buffers are T-sharded, but the
@@ -248,10 +261,17 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     work = (CPU_WORKING if s.cpu else ACCEL_WORKING) * np.where(s.f1b, F1B_WORKING, 1.0) * work_tok * none
     work = work + np.where(s.f1b, F1B_WORKING, 1.0) * work_tok * moe_work
     logits_k = CPU_LOGITS if s.cpu else ACCEL_LOGITS
-    # The loss head runs on the whole shard (GPipe, plain) or one microbatch (1F1B), plus the
-    # one-hot embedding input of the whole shard.
-    head_tok = np.where(s.f1b, tok_m, s.tok)
-    logits = logits_k * head_tok * vocab_t * 4 + s.tok * vocab_t * c
+    # The fused loss head (model/vocab.py) holds one chunk of T of the whole shard's rows (GPipe,
+    # plain) or of one microbatch's (1F1B); the embedding is a gather (no [B, T, V] input).
+    head_tok = np.where(s.f1b, tok_m, s.tok) / s.loss_chunks
+    logits = logits_k * head_tok * vocab_t * 4
+    if s.cpu and w.model.dtype != "float32":
+        # XLA:CPU, bfloat16: the head's logits gradient gets a float32 copy for its weight-gradient
+        # dot (layers.weight_grad_dot's upcast: it cannot run bf16 x bf16 -> f32), and the
+        # embedding's float32 cotangent for its scatter-add (vocab.param_take) was seen live at
+        # the peak (d8_full_bf16 of tests/test_cost_validation.py: +24 KiB = 2 x [B, T, D] f32).
+        # On accelerators the scatter runs at the end of the backward pass, after the peak.
+        logits = logits + head_tok * vocab_t * 4 + s.tok * D * 4
     # ZeRO-3 with the `none` policy keeps every gathered layer for the backward pass (see above).
     # (in the compute dtype: the matmul weights are cast before their gather, constrain_param)
     gathered = np.where((s.zero == 3) & (s.remat == NONE) & ~s.piped, c * s.L * s.layer_t, 0)
@@ -278,8 +298,8 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     """FLOPs one device executes per step, by part (what sets its compute time).
 
     Blocks: split over every axis; remat=full and 1F1B recompute the block forward (+1/3); the
-    GPipe/circular bubble ticks compute on zeros. Embedding (one-hot matmul, forward and table
-    gradient) and loss head are replicated over `pipe`: every stage runs them on its batch shard.
+    GPipe/circular bubble ticks compute on zeros. The loss head (the embedding is a gather) is
+    replicated over `pipe`: every stage runs it on its batch shard.
     XLA's attention computes the whole [T, T] score matrix and masks it (12 N H T per token and
     layer); a fused causal kernel skips the masked half (6 N H T, the model-FLOPs convention).
     """
@@ -300,11 +320,18 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     # the batched expert matmuls (it keeps only matmuls without batch dimensions).
     recompute = np.select([s.f1b, s.remat == FULL, s.remat == DOTS],
                           [fwd - dead * s.unit / s.Lc, fwd - dead, s.moe * experts], 0)
+    # attention in query blocks (parallel.attention_chunk): each block is checkpointed, so its
+    # scores and values are computed once more in the backward pass, under any remat policy
+    recompute = recompute + (s.query_rows < s.T) * s.unit * attn * s.N * s.H * s.T
     busy = np.where(s.piped & ~s.f1b, s.ticks / (s.r * s.M), 1.0)  # bubble ticks run the stage too
     rerun = np.where(s.f1b | (s.remat == FULL), 1, 0)
     units = s.Ldev / s.unit
     blocks = s.tok * units * ((3 * fwd + recompute) / s.t + (3 + rerun) * moe_replicated) * busy
-    head = s.tok * 6 * s.D * s.V / s.t
-    embed = s.tok * 4 * s.D * s.V / s.t
+    # the fused loss head: logits forward, again in the backward (vocab.fused_cross_entropy
+    # recomputes them behind a barrier), the input and the weight gradients; 1F1B's compiled
+    # head (forward and backward in one branch per tick) holds one logits matmul fewer. The
+    # embedding is a gather and its gradient a scatter-add: no matmul FLOPs.
+    head = s.tok * np.where(s.f1b, 6, 8) * s.D * s.V / s.t
+    embed = 0.0 * s.tok
     return {"blocks": blocks, "head": head * np.ones_like(blocks), "embedding": embed * np.ones_like(blocks),
             "total": blocks + head + embed}

@@ -2,6 +2,13 @@
 
 Heads are the tensor-parallel dimension (column-parallel q/k/v, row-parallel output), so a block
 costs one all-reduce of [B, T, D] here in the forward pass and one in the backward pass.
+
+XLA's attention (jax.nn.dot_product_attention without `implementation=`) keeps float32 scores and
+probabilities of [B, N, T, T] for the backward pass: at 4 x 4,096 tokens and 32 heads that is
+8 GiB per buffer per device, more than everything else a 7B layer needs. `chunk` (parallel.
+attention_chunk) runs it over blocks of query positions under a checkpoint instead, each block
+against every key with the causal mask: the same arithmetic and FLOPs, one block's scores live
+([B, N, chunk, T]), each block's recomputed in the backward pass.
 """
 
 from __future__ import annotations
@@ -27,6 +34,24 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int = 0) -> jax.Array:
+    """Causal grouped-query attention: q [B, T, N, H], k and v [B, T, K, H] -> [B, T, N, H].
+    `chunk`: query positions per block (0, or >= T: all at once)."""
+    b, t, n, h = q.shape
+    if chunk <= 0 or chunk >= t:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    keys = jnp.arange(t)
+
+    @jax.checkpoint  # keep only the block's inputs: its scores are recomputed in the backward pass
+    def block(qi: jax.Array, i: jax.Array) -> jax.Array:  # [B, C, N, H], block index
+        mask = (i * chunk + jnp.arange(chunk))[:, None] >= keys[None, :]  # [C, T]: query row >= key
+        return jax.nn.dot_product_attention(qi, k, v, mask=mask[None, None])
+
+    blocks = q.reshape(b, t // chunk, chunk, n, h).swapaxes(0, 1)  # [T/C, B, C, N, H]
+    out = jax.lax.map(lambda a: block(*a), (blocks, jnp.arange(t // chunk)))
+    return out.swapaxes(0, 1).reshape(b, t, n, h)
+
+
 class Attention(nn.Module):
     n_heads: int
     n_kv_heads: int
@@ -38,6 +63,7 @@ class Attention(nn.Module):
     dot_general: DotGeneralFactory = None
     grad_dtype: Any = "float32"  # weight gradients' dtype (layers.param_matmul)
     placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer)
+    chunk: int = 0  # query positions per attention block (parallel.attention_chunk); 0: all T
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -61,7 +87,7 @@ class Attention(nn.Module):
         key = constrain(apply_rope(qkv[:, :, :, g], self.rope_theta), kv_names)  # [B, T, K, H]
         value = constrain(qkv[:, :, :, g + 1], kv_names)  # [B, T, K, H]
         # Grouped-query attention: query head i reads kv head i // (N / K). Softmax in float32.
-        out = jax.nn.dot_product_attention(q, key, value, is_causal=True)  # [B, T, N, H]
+        out = causal_attention(q, key, value, self.chunk)  # [B, T, N, H]
         out = constrain(out, heads_names)
         return Dense(
             (d_model,), ("heads", "kv", "embed"), contract=2, init_std=self.out_std, dtype=self.dtype,

@@ -1,4 +1,4 @@
-"""Building blocks: Dense with an injectable dot_general, Embed, RMSNorm, SwiGLU MLP.
+"""Building blocks: Dense with an injectable dot_general, RMSNorm, SwiGLU MLP (the vocabulary ends: vocab.py).
 
 Single-device math annotated with logical axis names only; sharding.py decides where they live.
 Parameters are float32 (master weights); compute happens in `dtype`. ZeRO-3 is injected as
@@ -111,11 +111,11 @@ def _param_dot_bwd(dims: Any, use: ParamUse, res: tuple, g: Any):
     if isinstance(g, jax.custom_derivatives.SymbolicZero):
         return None, None
     dx = None if wc is None else dot_grad_lhs(g, wc, dims, x.ndim, x.dtype)
-    dw = _weight_grad_dot(g, x, dims, w_ndim, use.grad_dtype)  # partial sums leave the matmul in grad_dtype
+    dw = weight_grad_dot(g, x, dims, w_ndim, use.grad_dtype)  # partial sums leave the matmul in grad_dtype
     return dx, use.weight_grad(dw)
 
 
-def _weight_grad_dot(g: jax.Array, x: jax.Array, dims: Any, w_ndim: int, out_dtype: Any) -> jax.Array:
+def weight_grad_dot(g: jax.Array, x: jax.Array, dims: Any, w_ndim: int, out_dtype: Any) -> jax.Array:
     native = functools.partial(dot_grad_rhs, dims=dims, y_ndim=w_ndim, out_dtype=out_dtype)
     if jnp.dtype(out_dtype).itemsize <= max(g.dtype.itemsize, x.dtype.itemsize):
         return native(g, x)
@@ -194,50 +194,6 @@ class Dense(nn.Module):
         lhs_dims = tuple(range(x.ndim - self.contract, x.ndim))
         dims = ((lhs_dims, tuple(range(self.contract))), ((), ()))
         return param_matmul(x, kernel, dims, self.axes, self.dtype, self.grad_dtype, make_dot(self.dot_general),
-                            self.placer)
-
-
-class Embed(nn.Module):
-    """Token embedding [V, D]; `attend` reuses it as the tied output projection.
-
-    `dot_general` serves `attend` only: the lookup's one-hot matmul selects rows exactly, and an
-    FP8 (or any approximate) matmul there would only round the table itself.
-    """
-
-    vocab_size: int
-    d_model: int
-    init_std: float = 0.02
-    dtype: Any = jnp.float32
-    dot_general: DotGeneralFactory = None
-    grad_dtype: Any = "float32"  # the table gradient's dtype (param_matmul); None: plain autodiff
-    placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer); None: the table is only cast
-
-    NAMES = ("vocab", "embed")
-
-    def setup(self) -> None:
-        self.embedding = self.param(
-            "embedding",
-            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.NAMES),
-            (self.vocab_size, self.d_model),
-            jnp.float32,
-        )
-        self.attend_dot_general = make_dot(self.dot_general)  # a submodule must be made in setup
-
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        # [B, T] -> [B, T, D]. A one-hot matmul rather than a gather: with `vocab` sharded over
-        # `tensor` it partitions as local partial sums plus one all-reduce of [B, T, D] (Megatron's
-        # vocab-parallel embedding) instead of an all-gather of the whole table. (The one-hot's
-        # own cotangent is never used: XLA removes that matmul of the backward rule.)
-        one_hot = jax.nn.one_hot(tokens, self.vocab_size, dtype=self.dtype)
-        one_hot = constrain(one_hot, ("activation_batch", "activation_length", "activation_vocab"))
-        dims = (((2,), (0,)), ((), ()))
-        return param_matmul(one_hot, self.embedding, dims, self.NAMES, self.dtype, self.grad_dtype,
-                            placer=self.placer)
-
-    def attend(self, x: jax.Array) -> jax.Array:
-        # [B, T, D] x [V, D] -> [B, T, V]
-        dims = (((2,), (1,)), ((), ()))
-        return param_matmul(x, self.embedding, dims, self.NAMES, self.dtype, self.grad_dtype, self.attend_dot_general,
                             self.placer)
 
 

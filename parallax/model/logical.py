@@ -9,6 +9,7 @@ nor the table; it resolves names against whatever rules and mesh are in effect.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -113,12 +114,47 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     instead of silently leaving the dimension unsharded. A no-op when no mesh is set (e.g. plain
     single-device use of the model).
     """
+    return pin(names)(x)
+
+
+@dataclass(frozen=True)
+class Pin:
+    """An activation layout resolved under the ambient rules and mesh, applied later: a custom
+    VJP's backward rule is traced after the differentiated function has returned, outside
+    `logical_context`, so it constrains with what its forward pass captured (as ParamPlacement
+    does for parameters). Hashable: a custom VJP's static argument. Unpinned without a mesh."""
+
+    mesh: Any = None
+    spec: P | None = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.spec is None:
+            return x
+        with jax.sharding.use_abstract_mesh(self.mesh):
+            return jax.lax.with_sharding_constraint(x, self.spec)
+
+
+    def ways(self, dim: int) -> int:
+        """Shards of dimension `dim` under this layout (1 unpinned)."""
+        if self.spec is None or dim >= len(self.spec):
+            return 1
+        return math.prod(self.mesh.shape[a] for a in entry_axes(self.spec[dim]))
+
+    def stacked(self, dim: int, inner: Pin) -> Pin:
+        """A layout for [n, *inner's shape]: the leading n sharded as this layout's `dim`."""
+        if self.spec is None or inner.spec is None:
+            return Pin()
+        return Pin(self.mesh, P(self.spec[dim] if dim < len(self.spec) else None, *inner.spec))
+
+
+def pin(names: tuple[str | None, ...]) -> Pin:
+    """The layout `constrain(x, names)` would give x, captured now (see Pin)."""
     mesh = jax.sharding.get_abstract_mesh()
     rules = nn.get_logical_axis_rules()
     if mesh.empty or not rules:
-        return x
+        return Pin()
     spec = logical_to_spec(names, validate_rules(rules, mesh), where=f"activation {names}")
-    return jax.lax.with_sharding_constraint(x, drop_axes(spec, mesh.manual_axes))
+    return Pin(mesh, drop_axes(spec, mesh.manual_axes))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 from parallax.model.attention import Attention
 from parallax.config import ModelConfig, expert_d_ff, stack_length
 from parallax.model.fp8 import FP8_COLLECTION
-from parallax.model.layers import MLP, Dense, DotGeneralFactory, Embed, RMSNorm
+from parallax.model.layers import MLP, DotGeneralFactory, RMSNorm
 from parallax.model.logical import PARAM_COMPUTE, ParamPlacer, constrain
 from parallax.model.moe import LOCAL, Exchange, MoE
+from parallax.model.vocab import LOGITS, Embed, Head
 
 # The residual stream between tensor-parallel regions: its T is `activation_norm_length`, sharded
 # over tensor under sequence parallelism (sharding.compute_rules). The input of a column-parallel
@@ -67,6 +68,7 @@ class Block(nn.Module):
     grad_dtype: Any = "float32"  # weight gradients' dtype (layers.param_matmul)
     placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer); None: parameters only cast
     exchange: Exchange = LOCAL  # the MoE layer's expert exchange (expert_parallel.py injects its own)
+    attention_chunk: int = 0  # query positions per attention block (attention.causal_attention)
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Stats]:
@@ -76,7 +78,7 @@ class Block(nn.Module):
         h = constrain(RMSNorm(c.norm_eps, dtype, self.placer, name="attn_norm")(x), NORMED)
         x = x + Attention(
             c.n_heads, c.n_kv_heads, c.d_model // c.n_heads, c.rope_theta, c.init_std, out_std, dtype,
-            self.dot_general, self.grad_dtype, self.placer, name="attn",
+            self.dot_general, self.grad_dtype, self.placer, self.attention_chunk, name="attn",
         )(h)
         x = constrain(x, RESIDUAL)
         h = constrain(RMSNorm(c.norm_eps, dtype, self.placer, name="mlp_norm")(x), NORMED)  # MoE routes whole sequences
@@ -101,10 +103,12 @@ class BlockGroup(nn.Module):
     grad_dtype: Any = "float32"
     placer: ParamPlacer | None = None
     exchange: Exchange = LOCAL
+    attention_chunk: int = 0
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Stats]:
-        kw = dict(grad_dtype=self.grad_dtype, placer=self.placer, exchange=self.exchange)
+        kw = dict(grad_dtype=self.grad_dtype, placer=self.placer, exchange=self.exchange,
+                  attention_chunk=self.attention_chunk)
         for i in range(self.cfg.moe.every - 1):
             x, _ = Block(self.cfg, self.dot_general, moe=False, **kw, name=f"dense_{i}")(x)
         return Block(self.cfg, self.dot_general, moe=True, **kw, name="moe_block")(x)
@@ -131,6 +135,10 @@ class Transformer(nn.Module):
     # The MoE layers' expert exchange (expert_parallel.EXPERT_EXCHANGE, injected by make_layout);
     # moe.LOCAL is single-device math.
     exchange: Exchange = LOCAL
+    # Positions of T per chunk of the fused loss head (parallel.loss_chunk; vocab.py); 0: all T.
+    loss_chunk: int = 0
+    # Query positions per attention block (parallel.attention_chunk; attention.py); 0: all T.
+    attention_chunk: int = 0
 
     def setup(self) -> None:
         c = self.cfg
@@ -147,11 +155,11 @@ class Transformer(nn.Module):
             split_rngs={"params": True},
             length=stack_length(c),
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.dot_general, grad_dtype=self.grad_dtype, placer=self.placer, exchange=self.exchange)
+        )(c, self.dot_general, grad_dtype=self.grad_dtype, placer=self.placer, exchange=self.exchange,
+          attention_chunk=self.attention_chunk)
         self.final_norm = RMSNorm(c.norm_eps, dtype, self.placer)
         if not c.tie_embeddings:
-            self.logits = Dense((c.vocab_size,), ("embed", "vocab"), init_std=c.init_std, dtype=dtype,
-                                dot_general=self.logits_dot_general, grad_dtype=self.grad_dtype, placer=self.placer)
+            self.logits = Head(c.vocab_size, c.init_std, dtype, self.logits_dot_general, self.grad_dtype, self.placer)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         # [B, T] -> [B, T, D]. The vocab shards' partial sums are reduced at full T, then each
@@ -165,15 +173,27 @@ class Transformer(nn.Module):
         return self.layers(x, None)
 
     def head(self, x: jax.Array) -> jax.Array:
+        """[B, T, D] -> [B, T, V] float32 logits (sampling, tests; training uses head_loss)."""
         x = constrain(self.final_norm(x), NORMED)  # the logits need every token of each vocab shard
         logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.logits(x)
-        logits = constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
-        return logits.astype(jnp.float32)  # [B, T, V]
+        return constrain(logits, LOGITS).astype(jnp.float32)
+
+    def head_loss(self, x: jax.Array, targets: jax.Array) -> jax.Array:
+        """[B, T, D], targets [B, T] -> mean cross-entropy, never holding [B, T, V] (vocab.py)."""
+        x = constrain(self.final_norm(x), NORMED)
+        if self.cfg.tie_embeddings:
+            return self.embed.loss(x, targets, self.loss_chunk)
+        return self.logits(x, targets, self.loss_chunk)
 
     def forward(self, tokens: jax.Array) -> tuple[jax.Array, Stats]:
         """[B, T] int token ids -> ([B, T, V] float32 logits, MoE stats per layer)."""
         x, stats = self.run_blocks(self.embed_tokens(tokens))
         return self.head(x), stats
+
+    def loss(self, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, Stats]:
+        """[B, T] inputs and targets -> (mean cross-entropy, MoE stats per layer)."""
+        x, stats = self.run_blocks(self.embed_tokens(tokens))
+        return self.head_loss(x, targets), stats
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """[B, T] int token ids -> [B, T, V] float32 logits."""
@@ -194,12 +214,6 @@ def moe_loss(stats: Stats, c: ModelConfig) -> jax.Array:
     if not stats:
         return jnp.zeros((), jnp.float32)
     return c.moe.aux_loss_weight * jnp.mean(stats["aux_loss"]) + c.moe.z_loss_weight * jnp.mean(stats["z_loss"])
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean token cross-entropy in float32; [B, T, V], [B, T] -> []."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
 # ----------------------------------------------------------------------------------------------

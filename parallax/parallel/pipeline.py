@@ -114,7 +114,8 @@ def stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
     if dot_general is not None:
         dot_general = functools.partial(dot_general, amax_axes=tuple(BATCH_AXES))
     # ZeRO-3's placer and the expert exchange as injected into the model (train_state.make_layout)
-    block = stack_unit(model.cfg)(model.cfg, dot_general, placer=model.placer, exchange=model.exchange)
+    block = stack_unit(model.cfg)(model.cfg, dot_general, placer=model.placer, exchange=model.exchange,
+                                  attention_chunk=model.attention_chunk)
 
     def unit(params: Any, fp8: Any, real: Any, x: jax.Array) -> tuple[jax.Array, dict]:
         y, stats = block.apply({"params": params, **({FP8_COLLECTION: fp8} if fp8 is not None else {})}, x)
@@ -284,11 +285,11 @@ def run_pipeline(
 def make_pipelined_apply(
     model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh, layer_specs: Any
 ) -> Callable[[Any, jax.Array], jax.Array]:
-    """(params with stage-layout 'layers', tokens [B, T], FP8 collection or None) ->
-    (logits [B, T, V], MoE stats). The FP8 state stays layer-major in the train state (it is
+    """(params with stage-layout 'layers', tokens [B, T], targets [B, T], FP8 collection or None)
+    -> (mean cross-entropy, MoE stats). The FP8 state stays layer-major in the train state (it is
     small and replicated); it is reshaped to the stage layout here, inside the loss."""
 
-    def apply(params: Any, tokens: jax.Array, fp8: Any = None) -> tuple[jax.Array, dict]:
+    def apply(params: Any, tokens: jax.Array, targets: jax.Array, fp8: Any = None) -> tuple[jax.Array, dict]:
         outer = {k: v for k, v in params.items() if k != "layers"}
         fp8 = fp8 or {}
         outer_vars = {"params": outer}
@@ -297,6 +298,6 @@ def make_pipelined_apply(
         x = model.apply(outer_vars, tokens, method=Transformer.embed_tokens)
         stack_fp8 = to_stages(fp8["layers"], schedule, fill=padding_value) if "layers" in fp8 else None
         x, stats = run_pipeline(model, schedule, mesh, params["layers"], layer_specs, x, stack_fp8)
-        return model.apply(outer_vars, x, method=Transformer.head), stats
+        return model.apply(outer_vars, x, targets, method=Transformer.head_loss), stats
 
     return apply

@@ -41,7 +41,6 @@ def make_1f1b_value_and_grad(
     sched: Schedule,
     mesh: jax.sharding.Mesh,
     layer_specs: Any,
-    loss_of_logits: Callable[[jax.Array, jax.Array], jax.Array],
     batch_shards: int,
 ) -> Callable[[Any, dict], tuple[jax.Array, Any]]:
     """(params with stage-layout 'layers', batch) -> (mean loss, gradients like params).
@@ -56,8 +55,7 @@ def make_1f1b_value_and_grad(
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
 
     def head_loss(outer: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-        logits = model.apply({"params": outer}, y, method=Transformer.head)
-        return loss_of_logits(logits, targets) / m  # summed over microbatches below
+        return model.apply({"params": outer}, y, targets, method=Transformer.head_loss) / m  # summed over microbatches below
 
     def body(chunks, outer, micro_x, micro_t):
         s = jax.lax.axis_index(PIPE)

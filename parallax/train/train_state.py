@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from parallax.config import Config, ConfigError
 from parallax.parallel.expert_parallel import EXPERT_EXCHANGE
 from parallax.model.fp8 import FP8_COLLECTION, transformer_dot_generals
-from parallax.model.transformer import Transformer, cross_entropy
+from parallax.model.transformer import Transformer
 from parallax.train.optim import make_optimizer
 from parallax.parallel.pipeline_1f1b import make_1f1b_value_and_grad
 from parallax.parallelism import Parallelism, Schedule
@@ -51,7 +51,7 @@ class Layout:
     abstract_state: TrainState
     state_shardings: TrainState
     schedule: Schedule | None  # the pipeline schedule; None when the stack is not pipelined
-    # (params, tokens [B, T], FP8 collection (fm32) or None) -> (logits [B, T, V], MoE stats)
+    # (params, tokens [B, T], targets [B, T], FP8 collection (fm32) or None) -> (mean cross-entropy, MoE stats)
     apply: Callable[..., tuple[jax.Array, dict]]
     # (params, batch) -> (loss, grads) for schedules that compute their own gradients (1F1B).
     value_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]] | None = None
@@ -91,14 +91,20 @@ def _init_params(model: Transformer, cfg: Config, rng: jax.Array, schedule: Sche
     return params
 
 
+def make_model(cfg: Config, cls: type[Transformer] = Transformer) -> Transformer:
+    """The model `cfg` describes, with its parallelism injected: FP8 dots, ZeRO-3's placer, the
+    expert exchange. `cls`: a Transformer subclass (a benchmark's variant) made the same way."""
+    return cls(cfg.model, remat=cfg.parallel.remat, grad_dtype=cfg.parallel.grad_reduce_dtype,
+               placer=param_placer(cfg.parallel), exchange=EXPERT_EXCHANGE, loss_chunk=cfg.parallel.loss_chunk,
+               attention_chunk=cfg.parallel.attention_chunk,
+               **transformer_dot_generals(cfg.fp8))
+
+
 def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = None,
                 model: Transformer | None = None) -> Layout:
     """The layout of `cfg` on `mesh`. `par`: the layout's checked rules (parallelism.py); None
-    checks them here. Either way nothing unchecked is laid out."""
-    # Parallelism is injected into the model here: FP8 dots, ZeRO-3's placer, the expert exchange.
-    model = model or Transformer(cfg.model, remat=cfg.parallel.remat, grad_dtype=cfg.parallel.grad_reduce_dtype,
-                                 placer=param_placer(cfg.parallel), exchange=EXPERT_EXCHANGE,
-                                 **transformer_dot_generals(cfg.fp8))
+    checks them here. Either way nothing unchecked is laid out. `model`: default make_model(cfg)."""
+    model = model or make_model(cfg)
     tx = make_optimizer(cfg)
     rules = compute_rules(cfg.parallel)
     # Laid out only once checked: every rule of parallelism.py for this mesh and platform.
@@ -117,12 +123,11 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
         layer_specs = jax.tree.map(lambda s: s.spec, param_shardings["layers"])
         apply = make_pipelined_apply(model, schedule, mesh, layer_specs)
         if schedule.name == "1f1b":  # the forward-only `apply` (evaluation) runs it as GPipe
-            value_and_grad = make_1f1b_value_and_grad(model, schedule, mesh, layer_specs, cross_entropy,
-                                                      par.batch_shards)
+            value_and_grad = make_1f1b_value_and_grad(model, schedule, mesh, layer_specs, par.batch_shards)
     else:
-        def apply(params: Any, tokens: jax.Array, fp8: Any = None) -> tuple[jax.Array, dict]:
+        def apply(params: Any, tokens: jax.Array, targets: jax.Array, fp8: Any = None) -> tuple[jax.Array, dict]:
             variables = {"params": params, **({FP8_COLLECTION: fp8} if fp8 else {})}
-            return model.apply(variables, tokens, method=Transformer.forward)
+            return model.apply(variables, tokens, targets, method=Transformer.loss)
     params = jax.eval_shape(lambda r: _init_params(model, cfg, r, schedule), jax.random.key(0))
     opt_state = jax.eval_shape(tx.init, params)
     fp8 = jax.eval_shape(lambda r: _init_fp8(model, cfg, r), jax.random.key(0))

@@ -16,7 +16,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import Config
-from parallax.model.transformer import cross_entropy, moe_loss
+from parallax.model.transformer import moe_loss
 from parallax.model.fp8 import FP8_COLLECTION, fp8_metrics, fp8_variables, overwrite
 from parallax.train.optim import applied_count, make_lr_schedule
 from parallax.parallel.sharding import BATCH_AXES, logical_context
@@ -39,8 +39,7 @@ def make_loss_fn(layout: Layout) -> Callable[[Any, Batch, Any], tuple[jax.Array,
     def loss_fn(params: Any, batch: Batch, fp8: Any = None) -> tuple[jax.Array, Aux]:
         with logical_context(layout.mesh, layout.rules):
             # FP8 state enters as fm32 here, before any loop over layers, ticks or microbatches (fp8.py)
-            logits, stats = layout.apply(params, batch["inputs"], fp8_variables(fp8).get(FP8_COLLECTION))
-        ce = cross_entropy(logits, batch["targets"])
+            ce, stats = layout.apply(params, batch["inputs"], batch["targets"], fp8_variables(fp8).get(FP8_COLLECTION))
         return ce + moe_loss(stats, layout.model.cfg), (ce, stats)
 
     return loss_fn
@@ -121,6 +120,55 @@ def make_sharded_value_and_grad(layout: Layout, shards: int) -> Callable[..., tu
     return value_and_grad
 
 
+def microsteps(batch: Batch, mesh: jax.sharding.Mesh, shards: int, steps: int) -> Batch:
+    """[B, T] -> [A, B/A, T], A = `steps`, with microstep k made of row block k of every batch
+    shard: the batch is split over the batch axes in `shards` contiguous row blocks, so
+    [n, A, b, T] -> [A, n, b, T] -> [A, n*b, T] leaves every row on the device that holds it."""
+
+    def split(x: jax.Array) -> jax.Array:
+        rest = x.shape[1:]
+        x = x.reshape(shards, steps, x.shape[0] // (shards * steps), *rest)
+        x = jnp.swapaxes(x, 0, 1).reshape(steps, x.shape[0] * x.shape[2], *rest)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES, *(None,) * len(rest))))
+
+    return {k: split(v) for k, v in batch.items()}
+
+
+def accumulate(value_and_grad: Callable[..., Any], layout: Layout, steps: int) -> Callable[..., Any]:
+    """train.grad_accum: `value_and_grad` (make_value_and_grad's signature) run as `steps`
+    microsteps of B/steps rows in a `lax.scan`, so only one microstep's activations are live.
+
+    Gradients are summed in float32 in the carry (laid out as the parameters) and divided by
+    `steps` after the loop; loss and cross-entropy are the microsteps' mean, MoE statistics too
+    but the expert `load` (a count: the sum). The FP8 state's new value is the elementwise max
+    over microsteps (as fm32 combines the uses within one program, fp8.py), starting from -inf
+    (fm32's zero: a state no microstep used stays unused for `overwrite`).
+    """
+    mesh, shards = layout.mesh, layout.parallelism.batch_shards
+    rows = NamedSharding(mesh, P(BATCH_AXES, None))
+
+    def accumulated(params: Any, batch: Batch, fp8: Any) -> tuple[tuple[jax.Array, Aux], tuple[Any, Any]]:
+        zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
+                             params, layout.param_shardings)
+        unused = jax.tree.map(lambda x: jnp.full(jnp.shape(x), -jnp.inf, jnp.float32), fp8)
+
+        def body(carry: tuple[Any, Any], micro: Batch) -> tuple[tuple[Any, Any], tuple]:
+            acc, fp8_acc = carry
+            micro = {k: jax.lax.with_sharding_constraint(v, rows) for k, v in micro.items()}
+            (loss, (ce, stats)), (grads, fp8_new) = value_and_grad(params, micro, fp8)
+            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+            fp8_acc = jax.tree.map(lambda a, n: jnp.maximum(a, n.astype(jnp.float32)), fp8_acc, fp8_new)
+            return (acc, fp8_acc), (loss, ce, stats)
+
+        (acc, fp8_new), (losses, ces, stats) = jax.lax.scan(body, (zeros, unused), microsteps(batch, mesh, shards, steps))
+        grads = jax.tree.map(lambda a, p: (a / steps).astype(p.dtype), acc, params)
+        fp8_new = jax.tree.map(lambda n, x: n.astype(jnp.asarray(x).dtype), fp8_new, fp8)
+        stats = {k: jnp.sum(v, axis=0) if k == "load" else jnp.mean(v, axis=0) for k, v in stats.items()}
+        return (jnp.mean(losses), (jnp.mean(ces), stats)), (grads, fp8_new)
+
+    return accumulated
+
+
 def make_grad_fn(layout: Layout) -> Callable[[Any, Batch], tuple[jax.Array, Any]]:
     """Jitted (params, batch) -> (training loss, grads), gradients in the parameters' shardings."""
     value_and_grad = make_value_and_grad(layout)
@@ -141,6 +189,8 @@ def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch]
     value_and_grad = make_value_and_grad(layout)
     if cfg.train.noise_scale:  # per-shard gradients too; the metrics gain grad_sq_small/big
         value_and_grad = make_sharded_value_and_grad(layout, layout.parallelism.batch_shards)
+    if cfg.train.grad_accum > 1:  # microsteps in a scan (parallelism.RULES: no pipeline, no noise scale)
+        value_and_grad = accumulate(value_and_grad, layout, cfg.train.grad_accum)
     schedule = make_lr_schedule(cfg)
 
     def update(state: TrainState, grads: Any, fp8_new: Any) -> tuple[Any, Any, Any]:
