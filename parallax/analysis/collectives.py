@@ -160,7 +160,7 @@ def _outer_tensor_terms(s: Dims, out: _Terms) -> None:
     sum forward (transformer.Transformer.embed_tokens); the fused loss head (vocab.fused_cross_entropy)
     per chunk of T (Dims.loss_chunks): forward 3 float32 [B, chunk] all-reduces over the vocab
     shards (max, sum, target logit), backward one partial sum of its input gradient. Sequence
-    parallelism: transformer.Transformer.head gathers the final norm's output, the embedding's table
+    parallelism: transformer.Transformer.head_loss gathers the final norm's output, the embedding's table
     gradient the cotangent of its output, and the final norm's scale gradient is a partial sum.
     1F1B runs the head per microbatch in a `lax.cond` (pipeline_1f1b), counted every tick."""
     on_t, f1b, sp, t = s.t > 1, s.f1b, s.sp, s.t

@@ -238,7 +238,7 @@ def make_fp8_dot_general(cfg: Fp8Config, amax_axes: tuple[str, ...] = ()) -> Any
 
 def transformer_dot_generals(cfg: Fp8Config) -> dict[str, Any]:
     """Transformer(...) keyword arguments for `cfg`: {} when FP8 is off. The logits matmul only with
-    `fp8.logits`; the one-hot embedding lookup never (an exact selection, see layers.Embed)."""
+    `fp8.logits`; the embedding lookup never (a gather, vocab.Embed)."""
     if not cfg.enabled:
         return {}
     factory = make_fp8_dot_general(cfg)

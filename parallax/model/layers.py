@@ -94,8 +94,8 @@ def dot_grad_rhs(g: jax.Array, x: jax.Array, dims: Any, y_ndim: int, out_dtype: 
 
 
 def _param_dot_fwd(x: Any, w: Any, dims: Any, use: ParamUse):
-    # symbolic_zeros: x and w come as CustomVJPPrimal. An input with no tangent (the embedding's
-    # one-hot) needs no input gradient, so the weight is not kept for one.
+    # symbolic_zeros: x and w come as CustomVJPPrimal. An input with no tangent (a constant, as
+    # the one-hot embedding input was) needs no input gradient, so the weight is not kept for one.
     need_dx = x.perturbed
     x, w = x.value, w.value
     wc = use.weight(w)
