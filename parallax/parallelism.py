@@ -284,11 +284,12 @@ RULES: tuple[Rule, ...] = (
                    f"parallel.microbatches={v.microbatches}); use parallel.microbatches for the pipeline's microbatches"),
     Rule("grad_accum_noise", lambda v: np.asarray(v.cfg.train.grad_accum == 1 or not v.cfg.train.noise_scale),
          lambda v: f"train.grad_accum={v.cfg.train.grad_accum}: not with train.noise_scale (yet)", layout=False),
-    # (each microstep's loss is a mean over its own rows: its output gradients are grad_accum times the
-    # big batch's, so the E5M2 quantisation and the output-gradient amax history would differ)
-    Rule("grad_accum_fp8", lambda v: np.asarray(v.cfg.train.grad_accum == 1 or not v.cfg.fp8.enabled),
-         lambda v: f"train.grad_accum={v.cfg.train.grad_accum}: not with fp8.enabled (yet): the microsteps' output "
-                   "gradients, amaxes and FP8 state would not match the full batch's", layout=False),
+    # (the `current` recipe scales each microstep by its own amax: never the whole batch's numbers;
+    # `delayed` shares the step's scales, and the amaxes combine by max: the whole batch's)
+    Rule("grad_accum_fp8", lambda v: np.asarray(v.cfg.train.grad_accum == 1 or not v.cfg.fp8.enabled
+                                                or v.cfg.fp8.recipe == "delayed"),
+         lambda v: f"train.grad_accum={v.cfg.train.grad_accum}: not with fp8.recipe='current' (each microstep "
+                   "would quantise with its own amax, not the batch's); use fp8.recipe='delayed'", layout=False),
     # FP8
     Rule("fp8_logits", lambda v: np.asarray(v.cfg.fp8.enabled or not v.cfg.fp8.logits),
          lambda v: "fp8.logits=True needs fp8.enabled=True (it would be silently ignored)", layout=False),

@@ -134,18 +134,28 @@ def microsteps(batch: Batch, mesh: jax.sharding.Mesh, shards: int, steps: int) -
     return {k: split(v) for k, v in batch.items()}
 
 
-def accumulate(value_and_grad: Callable[..., Any], layout: Layout, steps: int) -> Callable[..., Any]:
-    """train.grad_accum: `value_and_grad` (make_value_and_grad's signature) run as `steps`
-    microsteps of B/steps rows in a `lax.scan`, so only one microstep's activations are live.
+def accumulate(layout: Layout, steps: int) -> Callable[..., Any]:
+    """train.grad_accum: make_value_and_grad's (params, batch, fp8) -> ((loss, (ce, stats)),
+    (grads, fp8)) run as `steps` microsteps of B/steps rows in a `lax.scan`, so only one
+    microstep's activations are live.
 
-    Gradients are summed in float32 in the carry (laid out as the parameters) and divided by
-    `steps` after the loop; loss and cross-entropy are the microsteps' mean, MoE statistics too
-    but the expert `load` (a count: the sum). The FP8 state's new value is the elementwise max
-    over microsteps (as fm32 combines the uses within one program, fp8.py), starting from -inf
-    (fm32's zero: a state no microstep used stays unused for `overwrite`).
+    Each microstep differentiates its loss / steps, so every cotangent in it is the whole batch's
+    for those rows (FP8's output-gradient amaxes included: differentiating each microstep's own
+    mean made them `steps` times too large); the gradients are summed in float32 in the carry
+    (laid out as the parameters). Loss and cross-entropy are the microsteps' mean, MoE statistics
+    too but the expert `load` (a count: the sum). The FP8 state's new value is the elementwise
+    max over microsteps (as fm32 combines the uses within one program, fp8.py), starting from
+    -inf (fm32's zero: a state no microstep used stays unused for `overwrite`).
     """
     mesh, shards = layout.mesh, layout.parallelism.batch_shards
     rows = NamedSharding(mesh, P(BATCH_AXES, None))
+    loss_fn = make_loss_fn(layout)
+
+    def micro_loss(params: Any, batch: Batch, fp8: Any) -> tuple[jax.Array, Aux]:
+        loss, aux = loss_fn(params, batch, fp8)
+        return loss / steps, aux
+
+    value_and_grad = jax.value_and_grad(micro_loss, argnums=(0, 2), has_aux=True)
 
     def accumulated(params: Any, batch: Batch, fp8: Any) -> tuple[tuple[jax.Array, Aux], tuple[Any, Any]]:
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
@@ -161,10 +171,10 @@ def accumulate(value_and_grad: Callable[..., Any], layout: Layout, steps: int) -
             return (acc, fp8_acc), (loss, ce, stats)
 
         (acc, fp8_new), (losses, ces, stats) = jax.lax.scan(body, (zeros, unused), microsteps(batch, mesh, shards, steps))
-        grads = jax.tree.map(lambda a, p: (a / steps).astype(p.dtype), acc, params)
+        grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
         fp8_new = jax.tree.map(lambda n, x: n.astype(jnp.asarray(x).dtype), fp8_new, fp8)
         stats = {k: jnp.sum(v, axis=0) if k == "load" else jnp.mean(v, axis=0) for k, v in stats.items()}
-        return (jnp.mean(losses), (jnp.mean(ces), stats)), (grads, fp8_new)
+        return (jnp.sum(losses), (jnp.mean(ces), stats)), (grads, fp8_new)  # losses are loss / steps
 
     return accumulated
 
@@ -190,7 +200,7 @@ def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch]
     if cfg.train.noise_scale:  # per-shard gradients too; the metrics gain grad_sq_small/big
         value_and_grad = make_sharded_value_and_grad(layout, layout.parallelism.batch_shards)
     if cfg.train.grad_accum > 1:  # microsteps in a scan (parallelism.RULES: no pipeline, no noise scale)
-        value_and_grad = accumulate(value_and_grad, layout, cfg.train.grad_accum)
+        value_and_grad = accumulate(layout, cfg.train.grad_accum)
     schedule = make_lr_schedule(cfg)
 
     def update(state: TrainState, grads: Any, fp8_new: Any) -> tuple[Any, Any, Any]:
