@@ -371,6 +371,12 @@ def check_optim(cfg: Config) -> None:
     _one_of("optim.mu_dtype", o.mu_dtype, MU_DTYPES)
 
 
+def chunk_length(chunk: int, seq_len: int) -> int:
+    """Positions of T per chunk for parallel.loss_chunk and parallel.attention_chunk: `chunk`, or
+    all T (one chunk) when it is 0 or >= T. parallelism.RULES checks that it divides T."""
+    return chunk if 0 < chunk < seq_len else seq_len
+
+
 def expert_d_ff(m: ModelConfig) -> int:
     return m.moe.d_ff or m.d_ff
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from parallax.config import Config, ConfigError, choice_error, expert_d_ff, stack_length
+from parallax.config import Config, ConfigError, choice_error, chunk_length, expert_d_ff, stack_length
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
 REMATS = ("none", "full", "dots")
@@ -193,10 +193,10 @@ def _tensor_divides(attr: str) -> Rule:
 
 
 def _divides_seq(field: str) -> Rule:
-    """parallel.<field>: positions of T per chunk; 0 or >= T is one chunk, else it divides T."""
+    """parallel.<field>: positions of T per chunk (config.chunk_length) must divide T."""
     def ok(v: View) -> Any:
-        n, t = getattr(v.cfg.parallel, field), v.cfg.train.seq_len
-        return np.asarray(n <= 0 or n >= t or t % n == 0)
+        t = v.cfg.train.seq_len
+        return np.asarray(t % chunk_length(getattr(v.cfg.parallel, field), t) == 0)
 
     return Rule(field, ok, lambda v: f"parallel.{field}={getattr(v.cfg.parallel, field)} must divide "
                                      f"train.seq_len={v.cfg.train.seq_len} (or be 0 or >= it: one chunk)", layout=False)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from parallax.config import Config, ModelConfig, ParallelConfig, expert_d_ff, moe_capacity
+from parallax.config import Config, ModelConfig, ParallelConfig, chunk_length, expert_d_ff, moe_capacity
 from parallax.parallelism import CIRCULAR, DOTS, FULL, GPIPE, NONE, ONE_F_ONE_B, layout_fields, pipelined, ticks
 
 # XLA:CPU activation memory, read off 71 compiles (experiments/calibrate_cost.py: d_model, d_ff,
@@ -109,10 +109,10 @@ class Dims:
         self.ticks = ticks(self.sched, p, self.M, self.r)
         self.rows = w.global_batch / self.dp  # rows per batch shard
         self.tok = self.rows * self.T  # tokens per batch shard
-        # the fused loss head's chunks over T (vocab.loss_chunk_length: one when 0 or >= T)
-        self.loss_chunks = self.T // w.loss_chunk if 0 < w.loss_chunk < self.T else 1
-        # query rows of XLA's attention live at once (attention.causal_attention's blocks)
-        self.query_rows = w.attention_chunk if 0 < w.attention_chunk < self.T else self.T
+        # the fused loss head's chunks over T, and the query rows of XLA's attention live at once
+        # (attention.causal_attention's blocks): config.chunk_length, as the model reads them
+        self.loss_chunks = self.T // chunk_length(w.loss_chunk, self.T)
+        self.query_rows = chunk_length(w.attention_chunk, self.T)
         # MoE (model.moe): E experts of hidden Fe, top-k, S shared experts, C slots per expert and sequence.
         mo = m.moe
         self.moe = int(bool(mo.num_experts))

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from parallax.config import chunk_length
 from parallax.model.layers import Dense, DotGeneralFactory
 from parallax.model.logical import ParamPlacer, constrain
 
@@ -38,7 +39,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int = 0) -
     """Causal grouped-query attention: q [B, T, N, H], k and v [B, T, K, H] -> [B, T, N, H].
     `chunk`: query positions per block (0, or >= T: all at once)."""
     b, t, n, h = q.shape
-    if chunk <= 0 or chunk >= t:
+    chunk = chunk_length(chunk, t)
+    if chunk == t:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
     keys = jnp.arange(t)
 

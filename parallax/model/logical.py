@@ -133,7 +133,6 @@ class Pin:
         with jax.sharding.use_abstract_mesh(self.mesh):
             return jax.lax.with_sharding_constraint(x, self.spec)
 
-
     def ways(self, dim: int) -> int:
         """Shards of dimension `dim` under this layout (1 unpinned)."""
         if self.spec is None or dim >= len(self.spec):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from parallax.config import chunk_length
 from parallax.model.layers import (DotGeneralFactory, ParamUse, weight_grad_dot, dot_grad_lhs, make_dot,
                                    match_varying, param_matmul)
 from parallax.model.logical import Pin, ParamPlacer, constrain, param_placement, pin, vary, varying_axes
@@ -152,15 +153,6 @@ def _fused_bwd(dims: Any, use: ParamUse, chunk: int, pins: VocabPins, res: tuple
 fused_cross_entropy.defvjp(_fused_fwd, _fused_bwd)
 
 
-def loss_chunk_length(seq_len: int, chunk: int) -> int:
-    """Positions of T per loss chunk: `chunk` (parallel.loss_chunk), or all T when 0 or >= T."""
-    if chunk <= 0 or chunk >= seq_len:
-        return seq_len
-    if seq_len % chunk:
-        raise ValueError(f"parallel.loss_chunk={chunk} must divide train.seq_len={seq_len}")
-    return chunk
-
-
 def projection_loss(x: jax.Array, w: jax.Array, targets: jax.Array, dims: Any, names: tuple[str, ...], dtype: Any,
                     grad_dtype: Any, dot: Any, placer: ParamPlacer | None, chunk: int) -> jax.Array:
     """Mean cross-entropy of the logits x . w ([B, T, D] -> [B, T, V]) against targets [B, T].
@@ -175,7 +167,7 @@ def projection_loss(x: jax.Array, w: jax.Array, targets: jax.Array, dims: Any, n
         return cross_entropy(logits, targets)
     use = ParamUse(param_placement(placer, names), jnp.dtype(dtype), jnp.dtype(grad_dtype or dtype), jnp.dtype(w.dtype))
     x, w = match_varying(x.astype(dtype), w)
-    return fused_cross_entropy(x, w, targets, dims, use, loss_chunk_length(targets.shape[1], chunk), VocabPins.here(names))
+    return fused_cross_entropy(x, w, targets, dims, use, chunk_length(chunk, targets.shape[1]), VocabPins.here(names))
 
 
 # ----------------------------------------------------------------------------------------------
