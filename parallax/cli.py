@@ -1,4 +1,4 @@
-"""`parallax train EXPERIMENT.py [--set key=value ...] [--workdir DIR] [--fresh] [--stop-at STEP] [--debug]`.
+"""`parallax train EXPERIMENT.py [--set key=value ...] [--workdir DIR] [--fresh] [--stop-at STEP] [--profile-steps A:B] [--debug]`.
 
 The command line: it parses the arguments, checks what can be checked before JAX starts, hands
 over to the training run (loop.py), `parallax audit` or `parallax plan`, and maps errors to exit
@@ -31,6 +31,8 @@ from parallax.config import Config, UserError, apply_overrides, check_data, chec
 from parallax.train.distributed import (StopSignals, accelerator_platform, configure_host_devices, error_prefix, initialize,
                                   known_device_count, process_spec)
 from parallax.train.loop import TrainingDiverged, check_workdir_path, run
+from parallax.train.profiler import parse_window
+from parallax.train.tracker import check_tracker
 from parallax.parallelism import check
 
 EXIT_USAGE = 2
@@ -42,10 +44,12 @@ def preflight(cfg: Config, n_devices: int | None) -> None:
     range, then, with mesh sizes known (the device count, or no -1 axis), the mesh and every rule
     of `parallelism.check` (a mesh of 100,000 simulated CPU devices would otherwise be created
     before its batch was found indivisible), the data settings (config.check_data) and the
-    optimizer's names (config.check_optim). The same checks run again on the real mesh."""
+    optimizer's names (config.check_optim), the tracker (metrics.wandb on: the package imports).
+    The same checks run again on the real mesh."""
     check_fields(cfg)
     check_data(cfg)
     check_optim(cfg)
+    check_tracker(cfg)
     sizes = dataclasses.asdict(cfg.mesh)
     if n_devices is None:
         fixed = math.prod(v for v in sizes.values() if v > 0)
@@ -68,6 +72,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                    help="start from step 0; refuse (exit 2) if the workdir holds a checkpoint")
     p.add_argument("--stop-at", type=int, metavar="STEP",
                    help="save and exit 0 after this step, as if preempted; the next run resumes")
+    p.add_argument("--profile-steps", metavar="A:B",
+                   help="write a jax.profiler trace of steps A..B (1-based, inclusive) to WORKDIR/profile "
+                        "(TensorBoard's profile plugin, xprof) and print each step's time breakdown")
     g = p.add_argument_group("multi-process (one process per host; SLURM, Open MPI and Cloud TPU are detected)")
     g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (env PARALLAX_COORDINATOR)")
     g.add_argument("--num-processes", type=int, metavar="N", help="processes in the run (env PARALLAX_NUM_PROCESSES)")
@@ -83,6 +90,7 @@ def train_command(args: argparse.Namespace, signals: StopSignals | None = None) 
         cfg = apply_overrides(load_experiment(args.experiment), args.set)
         if args.stop_at is not None and args.stop_at <= 0:
             raise UserError(f"--stop-at: must be a positive step, got {args.stop_at}")
+        window = None if args.profile_steps is None else parse_window(args.profile_steps, cfg.train.steps, args.stop_at)
         platform = accelerator_platform()
         spec = process_spec(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout,
                             platform=platform)
@@ -93,7 +101,8 @@ def train_command(args: argparse.Namespace, signals: StopSignals | None = None) 
         print(configure_host_devices(cfg, processes), flush=True)
         if spec is not None:  # before JAX's first computation, after the XLA flags are final
             print(initialize(spec, platform), flush=True)
-        run(cfg, workdir, overwrite=args.overwrite, fresh=args.fresh, stop_at=args.stop_at, signals=signals)
+        run(cfg, workdir, overwrite=args.overwrite, fresh=args.fresh, stop_at=args.stop_at, signals=signals,
+            profile=window)
     return 0
 
 

@@ -84,7 +84,9 @@ class Fp8Config:
 @dataclass(frozen=True)
 class ParallelConfig:
     zero: int = 0  # 0 replicated, 1 optimizer state over data, 3 parameters too (FSDP)
-    remat: str = "none"  # none | full | dots
+    # none | full | dots | save_attn_mlp (keep the attention output and the MLP gate/up, recompute the
+    # rest) | save_attn_mlp_offload (the same two kept in pinned host memory; not on XLA:CPU)
+    remat: str = "none"
     microbatches: int = 1  # pipeline microbatches per step (M)
     schedule: str = "gpipe"  # gpipe | circular | 1f1b
     repeats: int = 1  # layer chunks per pipeline stage (circular schedule)
@@ -105,6 +107,10 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    # adamw | muon: Muon (optax.contrib.scale_by_muon: Nesterov momentum orthogonalised by
+    # Newton-Schulz) for the blocks' matmul kernels, AdamW for embedding, output projection, norms
+    # and router (optim.py); both read train.lr on the same schedule
+    name: str = "adamw"
     # learning-rate schedule after the linear warmup (optim.py): cosine (decay over the whole run)
     # | wsd (warmup-stable-decay: flat at train.lr, then the last decay_fraction of the steps) | constant
     schedule: str = "cosine"
@@ -120,6 +126,11 @@ class OptimConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0  # <= 0 disables clipping
+    muon_beta: float = 0.95  # muon: momentum decay
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per update
+    # muon: each update's RMS is scaled to muon_rms (Liu et al. 2025, "Muon is Scalable": 0.2
+    # matches AdamW's RMS, so one train.lr and weight_decay serve both halves)
+    muon_rms: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,17 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Experiment trackers beside metrics.jsonl and TensorBoard (train/tracker.py); off by default,
+    and wandb is imported only when `wandb` is on."""
+
+    wandb: bool = False  # every metrics record also goes to Weights & Biases; files under WORKDIR/wandb
+    wandb_project: str = "parallax"
+    wandb_name: str = ""  # the W&B run's display name; "" is the run's `name`
+    wandb_mode: str = "offline"  # offline (no network; `wandb sync` uploads later) | online | disabled
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "experiment"
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -166,6 +188,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,6 +321,7 @@ FIELD_RANGES: dict[str, tuple] = {
     "optim.warmup_steps": _COUNT, "optim.min_lr_ratio": (0.0, 1.0, False, False), "optim.weight_decay": _NONNEG,
     "optim.b1": _UNIT_OPEN_1, "optim.b2": _UNIT_OPEN_1, "optim.eps": _POS,
     "optim.decay_fraction": (0.0, 1.0, True, False),
+    "optim.muon_beta": _UNIT_OPEN_1, "optim.muon_ns_steps": _SIZE, "optim.muon_rms": _POS,
     "data.val_fraction": (0.0, 1.0, True, True),
     **{f"train.{k}": _SIZE for k in ("steps", "global_batch", "seq_len", "eval_batches", "log_every", "max_bad_steps",
                                      "grad_accum")},
@@ -347,6 +371,7 @@ def check_data(cfg: Config) -> None:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} must be >= 256 for data.source='stdlib' (bytes)")
 
 
+OPTIMIZERS = ("adamw", "muon")  # optim.name
 SCHEDULES = ("cosine", "wsd", "constant")  # optim.schedule
 DECAY_SHAPES = ("linear", "1-sqrt")  # optim.decay_shape (wsd)
 MU_DTYPES = ("float32", "bfloat16")  # optim.mu_dtype
@@ -366,6 +391,7 @@ def check_optim(cfg: Config) -> None:
     """The optimizer's named choices (its numeric fields are FIELD_RANGES'): checked before JAX
     starts and again where the optimizer is built (optim.make_optimizer)."""
     o = cfg.optim
+    _one_of("optim.name", o.name, OPTIMIZERS)
     _one_of("optim.schedule", o.schedule, SCHEDULES)
     _one_of("optim.decay_shape", o.decay_shape, DECAY_SHAPES)
     _one_of("optim.mu_dtype", o.mu_dtype, MU_DTYPES)

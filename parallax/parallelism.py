@@ -31,7 +31,7 @@ import numpy as np
 from parallax.config import Config, ConfigError, choice_error, chunk_length, expert_d_ff, stack_length
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
-REMATS = ("none", "full", "dots")
+REMATS = ("none", "full", "dots", "save_attn_mlp", "save_attn_mlp_offload")  # transformer.REMAT_POLICIES
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 ZERO_STAGES = (0, 1, 3)
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -39,7 +39,7 @@ FP8_COMPUTE_DTYPES = ("float32", "bfloat16")  # what parallax/model/fp8.py quant
 FP8_RECIPES = ("delayed", "current")
 MOE_DISPATCH = ("capacity", "ragged")
 GPIPE, CIRCULAR, ONE_F_ONE_B = range(3)
-NONE, FULL, DOTS = range(3)
+NONE, FULL, DOTS, SAVE_ATTN_MLP, SAVE_ATTN_MLP_OFFLOAD = range(5)
 # The layout fields a grid varies (cost.Grid has the same names): mesh sizes, then the parallel
 # settings as integers (schedule, remat and grad_reduce as indices into the tuples above).
 LAYOUT_FIELDS = ("data", "tensor", "pipe", "expert", "zero", "microbatches", "schedule", "repeats", "remat",
@@ -333,6 +333,11 @@ RULES: tuple[Rule, ...] = (
          lambda v: ~np.asarray(v.cpu and v.moe and v.m.moe.dispatch == "ragged") | (v.expert == 1),
          lambda v: "model.moe.dispatch='ragged' with mesh.expert > 1 needs ragged_all_to_all, which XLA:CPU cannot "
                    "run; on CPU use model.moe.dispatch=capacity with capacity_factor=0 (dropless)"),
+    # (XLA:CPU lowers the host offload to nothing, so the option would silently be save_attn_mlp:
+    # jaxlib 0.10.2, BUILD_NOTES.md)
+    Rule("cpu_remat_offload", lambda v: ~(np.asarray(v.cpu) & (v.remat == SAVE_ATTN_MLP_OFFLOAD)),
+         lambda v: "parallel.remat='save_attn_mlp_offload' offloads saved activations to pinned host memory, which "
+                   "XLA:CPU cannot do; on CPU use parallel.remat=save_attn_mlp"),
 )
 
 
@@ -371,6 +376,18 @@ def check(cfg: Config, sizes: dict[str, int], platform: str = "accelerator") -> 
 
 # ----------------------------------------------------------------------------------------------
 # A checked layout
+
+
+def reduces_once(grad_accum: Any, fp8: bool, ragged: bool, zero: Any, batch_shards: Any, expert: Any) -> Any:
+    """train.grad_accum > 1 with each batch shard's gradient accumulated unreduced over the
+    microsteps (train_step.accumulate): the reduction over the batch axes runs once per step, not
+    once per microstep. Where it does not hold the accumulator is laid out as the parameters and
+    the partitioner reduces every microstep: ZeRO-3 (an unreduced accumulator would be the whole
+    gathered gradient, `data` times the sharded one), one batch shard (nothing to reduce), the
+    expert all-to-all, FP8 and ragged dispatch (their per-shard programs are not vmapped, as
+    train.noise_scale's). Element-wise over arrays of layouts (the cost model's grids)."""
+    return ((np.asarray(grad_accum) > 1) & (np.asarray(zero) < 3) & (np.asarray(batch_shards) > 1)
+            & (np.asarray(expert) == 1) & (not fp8) & (not ragged))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ each leaf's largest magnitude + 1e-7 (seen: 3e-6 absolute on O(1) values, one de
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -39,9 +39,14 @@ LAYOUTS = {
     "d2_t4_dots": (MeshConfig(data=2, tensor=4), ParallelConfig(remat="dots"),
                    dataclasses.replace(MODEL, n_kv_heads=4), TRAIN),
     "d4_t2_zero3_full_bf16": (M42, ParallelConfig(zero=3, remat="full"), BF16, TRAIN),
+    # remat=save_attn_mlp: the attention output and MLP gate/up saved (tests/test_remat_policy.py
+    # compiles the same Config for its memory ordering), then inside GPipe stages next to tensor
+    "d8_save_attn_mlp": (MeshConfig(data=8), ParallelConfig(remat="save_attn_mlp"), MODEL,
+                         dataclasses.replace(TRAIN, seq_len=128)),
     # Pipelines in float32: XLA:CPU aborts compiling a pipelined step in bfloat16 (its
     # AllReducePromotion pass fails a check), so only the plain layouts test bfloat16 here.
     "gpipe_d2_t2_p2": (P222, ParallelConfig(microbatches=4), MODEL, TRAIN),
+    "gpipe_d2_t2_p2_save_attn_mlp": (P222, ParallelConfig(microbatches=4, remat="save_attn_mlp"), MODEL, TRAIN),
     "circular_d2_t2_p2_r2": (P222, ParallelConfig(microbatches=4, schedule="circular", repeats=2), MODEL, TRAIN),
     "gpipe_d2_p4_zero1_full": (MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=4, zero=1, remat="full"),
                                MODEL, TRAIN),

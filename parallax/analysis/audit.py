@@ -53,6 +53,8 @@ def _memory_stats(compiled) -> dict[str, int] | None:
     stats = {f.split("_size")[0]: int(getattr(m, f, 0) or 0) for f in fields}
     if not any(stats.values()):
         return None
+    # pinned host memory the program holds (remat=save_attn_mlp_offload's residuals; not in `peak`)
+    stats["host_temp"] = int(getattr(m, "host_temp_size_in_bytes", 0) or 0)
     # Donated state: outputs written over their arguments count once.
     stats["peak"] = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
     return stats
@@ -83,16 +85,16 @@ def compile_step(cfg: Config, compiler_options: dict | None = None, target: str 
         return _COMPILED[key]
     import time
 
-    from parallax.train.build import build
-
     devices = None
-    if target is not None:
+    if target is not None:  # before JAX starts (build imports it): a GPU target sets JAX_PLATFORMS=cpu
         from parallax.parallel.targets import target as lookup, target_devices, target_mesh_shape
 
         t = lookup(target)
         target_mesh_shape(cfg.mesh, t)  # the mesh against the target's count, naming the target
         devices = target_devices(t)
         compiler_options = target_options(compiler_options, t.platform)
+    from parallax.train.build import build
+
     built = build(cfg, devices)
     started = time.perf_counter()
     lowered = built.train_step().lower(built.abstract_state(), built.abstract_batch())
@@ -229,7 +231,7 @@ def _compiler(platform: str) -> str:
     """Which compiler produced the program: 'XLA:CPU (jaxlib 0.10.2)', 'XLA:TPU (libtpu 0.0.42.1)'."""
     from importlib import metadata
 
-    package = {"cpu": "jaxlib", "tpu": "libtpu"}.get(platform, f"jax-{platform}-plugin")
+    package = {"cpu": "jaxlib", "tpu": "libtpu", "gpu": "jax-cuda12-plugin"}.get(platform, f"jax-{platform}-plugin")
     try:
         version = metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -271,11 +273,14 @@ def format_report(a: dict, title: str) -> str:
         lines.append(f"  {axis:<8} compiled {f['executions']:>6} runs {_mib(f['bytes']):>14}   model "
                      f"{f['model_executions']:>7.0f} runs {_mib(f['model_bytes']):>14}  {err:>7}")
     mem = a["memory"]
-    parts = ", ".join(f"{k} {_mib(v)}" for k, v in mem["model"].items() if k != "total" and v)
+    parts = ", ".join(f"{k} {_mib(v)}" for k, v in mem["model"].items() if k not in ("total", "host") and v)
+    if mem["model"].get("host"):  # remat=save_attn_mlp_offload: pinned host memory, not in the total
+        parts += f"; in host memory {_mib(mem['model']['host'])}"
     if mem["xla"]:
         x = mem["xla"]
+        host = f", host temporaries {_mib(x['host_temp'])}" if x.get("host_temp") else ""
         lines.append(f"memory per device: XLA {_mib(x['peak'])} (arguments {_mib(x['argument'])}, temporaries "
-                     f"{_mib(x['temp'])}, outputs not aliased {_mib(x['output'] - x['alias'])}); cost model "
+                     f"{_mib(x['temp'])}, outputs not aliased {_mib(x['output'] - x['alias'])}{host}); cost model "
                      f"{_mib(mem['model']['total'])} ({mem['error'] * 100:+.1f}%): {parts}")
     else:
         lines.append(f"memory per device: the backend gives no memory analysis; cost model {_mib(mem['model']['total'])}: {parts}")

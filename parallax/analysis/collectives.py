@@ -2,8 +2,9 @@
 
 What it models is parallax's own program, not an idealised one:
 - tensor: per block 2 all-reduces of [B/(data expert), T, D] forward and 2 backward (one more
-  with remat=full: the recomputed attention output); the vocab-parallel embedding all-reduces
-  once forward, the logits projection once backward, the cross-entropy 3 [B, T] float32 rows.
+  with remat=full: the recomputed attention output; none with save_attn_mlp, which keeps it);
+  the vocab-parallel embedding all-reduces once forward, the logits projection once backward,
+  the cross-entropy 3 [B, T] float32 rows.
   Sequence parallelism: each of those activation all-reduces is an all-reduce + T-slice on
   XLA:CPU, a reduce-scatter (result 1/t) on GPU/TPU; 2 all-gathers per block each way (more
   when recomputed), one before the head, one of the embedding's cotangent; the norm scales'
@@ -31,13 +32,14 @@ each family's docstring names the code it models and the implementation details 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from parallax.analysis.cost import Dims, Grid, Workload
-from parallax.parallelism import FULL, NONE
+from parallax.analysis.cost import Dims, Grid, Workload, reduces_once_on
+from parallax.parallelism import FULL, NONE, SAVE_ATTN_MLP
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,36 @@ class _Terms:
 def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> list[Term]:
     """Every collective family of one step, per device, family by family (tensor, expert, pipe,
     data: the order audit.py and plan.py have always read). Terms of size 0 are kept (zero bytes)."""
+    if w.grad_accum > 1:
+        return _accumulated_terms(w, g, platform)
     s = Dims(w, g, platform)
     return tensor_terms(s) + expert_terms(s) + pipe_terms(s) + data_terms(s)
+
+
+LAYER_GATHERS = "ZeRO-3: layer weights"  # the one ZeRO gather family that runs in every microstep
+
+
+def _accumulated_terms(w: Workload, g: Grid, platform: str) -> list[Term]:
+    """train.grad_accum = A (train_step.accumulate; no pipelining): every family of one microstep
+    of B / A rows runs A times, but two. The gradient reductions over the batch axes run once,
+    after the scan and exposed, where parallelism.reduces_once holds (per microstep, behind its
+    backward pass, where not); ZeRO-1's gathers of the updated parameters once per step. ZeRO-3
+    gathers the layer weights again in every microstep (inside the layer loop), the embedding,
+    head and final norm once (the compiler hoists those loop-invariant gathers out of the scan:
+    seen on XLA:CPU, data 4 x tensor 2)."""
+    A, s = w.grad_accum, Dims(w.microstep, g, platform)
+    once = reduces_once_on(w, g)
+    times = lambda t, n, overlap=None: dataclasses.replace(  # noqa: E731
+        t, executions=t.executions * n, static=t.static * n, overlap=overlap or t.overlap)
+    out = [times(t, A) for t in tensor_terms(s) + expert_terms(s) + pipe_terms(s)]
+    grads, r = _Terms(s), _Reduction.of(s)
+    _loop_grad_terms(s, r, grads)
+    _outer_grad_terms(s, r, grads)
+    for t in grads.terms:  # each as two terms, one per path (a grid holds layouts of both)
+        out += [times(t, np.where(once, 1, 0), "exposed"), times(t, np.where(once, 0, A))]
+    gathers = _Terms(s)
+    _zero_gather_terms(s, gathers)
+    return out + [times(t, A if t.what == LAYER_GATHERS else 1) for t in gathers.terms]
 
 
 def tensor_terms(s: Dims) -> list[Term]:
@@ -121,8 +151,10 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
     Must follow: what a remat policy recomputes (transformer.remat_policy under transformer.Transformer's
     nn.remat: `full` recomputes the attention output, the block output being dead, and in a unit
     of several blocks both all-reduces of every block but the last, whose outputs feed the next;
-    every recomputed block gathers its norm outputs again, under `dots` too, norms not being
-    dots); pipeline_1f1b.make_1f1b_value_and_grad's `backward`, which always recomputes the stage
+    `save_attn_mlp` keeps the attention output (after its all-reduce), so only the MLP output of
+    every block but a unit's last is recomputed (with its all-reduce); every recomputed block
+    gathers its norm outputs again, under `dots` and `save_attn_mlp` too, norms not being dots);
+    pipeline_1f1b.make_1f1b_value_and_grad's `backward`, which always recomputes the stage
     forward inside its vjp (one all-reduce fewer when Lc == 1); Dims.halves and Dims.static_scale.
     """
     on_t, halves = s.t > 1, s.halves
@@ -130,7 +162,8 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
     # experts) the shared MLP's; its expert output is _moe_tensor_terms'.
     per_unit = 2 * (s.unit - s.moe) + s.moe * (1 + int(s.S > 0))
     recompute = np.where(s.f1b, s.M * (2 * s.Lc - (s.Lc == 1)),
-                         np.where(s.remat == FULL, s.units_run * (2 * s.unit - 1), 0))
+                         np.select([s.remat == FULL, s.remat >= SAVE_ATTN_MLP],
+                                   [s.units_run * (2 * s.unit - 1), s.units_run * (s.unit - 1)], 0))
     for what, n in (("block forward (2 per layer)", per_unit * s.busy_units),
                     ("block backward (2 per layer)", per_unit * s.busy_units), ("block recomputation", recompute)):
         out.partial_sum(s, what, s.act_run / halves, n * halves, on_t, n * halves * s.static_scale)
@@ -337,7 +370,7 @@ def _zero_gather_terms(s: Dims, out: _Terms) -> None:
     fp32_unit = s.unit_norms + s.router
     unit_gather = s.c * (s.unit_t - fp32_unit) + 4 * fp32_unit
     regather = np.where(s.remat == NONE, 1, 2)
-    out.add(("data",), "all-gather", "ZeRO-3: layer weights", unit_gather / s.unit_arrays,
+    out.add(("data",), "all-gather", LAYER_GATHERS, unit_gather / s.unit_arrays,
             s.unit_arrays * s.U * regather, on_data & z3 & ~piped, "compute", None, s.d)
     out.add(("data",), "all-gather", "ZeRO-3: stage weights (once per step)", 4 * s.Ldev * s.layer_t / s.unit_arrays,
             s.unit_arrays, on_data & z3 & piped, "exposed", None, s.d)

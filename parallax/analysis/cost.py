@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from parallax.config import Config, ModelConfig, ParallelConfig, chunk_length, expert_d_ff, moe_capacity
-from parallax.parallelism import CIRCULAR, DOTS, FULL, GPIPE, NONE, ONE_F_ONE_B, layout_fields, pipelined, ticks
+from parallax.parallelism import (CIRCULAR, DOTS, FULL, GPIPE, NONE, ONE_F_ONE_B, SAVE_ATTN_MLP, SAVE_ATTN_MLP_OFFLOAD,
+                                  layout_fields, pipelined, reduces_once, ticks)
 
 # XLA:CPU activation memory, read off 71 compiles (experiments/calibrate_cost.py: d_model, d_ff,
 # layers, heads, sequence, batch, vocab and tensor varied one at a time under each remat policy
@@ -49,11 +50,29 @@ class Workload:
     mu_dtype: str = "float32"  # optim.mu_dtype: AdamW's first moment, 4 or 2 bytes per parameter
     loss_chunk: int = ParallelConfig.loss_chunk  # parallel.loss_chunk: T positions per loss-head chunk
     attention_chunk: int = ParallelConfig.attention_chunk  # parallel.attention_chunk: query positions per block
+    optimizer: str = "adamw"  # optim.name: muon keeps one moment for the blocks' kernels
+    ns_steps: int = 5  # optim.muon_ns_steps: Newton-Schulz iterations per Muon update
+    grad_accum: int = 1  # train.grad_accum: the step runs A microsteps of global_batch / A rows
+    fp8: bool = False  # fp8.enabled (only for parallelism.reduces_once here: no FP8 numerics)
 
     @classmethod
     def of(cls, cfg: Config) -> Workload:
         return cls(cfg.model, cfg.train.global_batch, cfg.train.seq_len, cfg.optim.mu_dtype, cfg.parallel.loss_chunk,
-                   cfg.parallel.attention_chunk)
+                   cfg.parallel.attention_chunk, cfg.optim.name, cfg.optim.muon_ns_steps, cfg.train.grad_accum,
+                   cfg.fp8.enabled)
+
+    @property
+    def microstep(self) -> Workload:
+        """One microstep of train.grad_accum: B / A rows, no accumulation."""
+        return dataclasses.replace(self, global_batch=self.global_batch // self.grad_accum, grad_accum=1)
+
+
+def reduces_once_on(w: Workload, g: Grid) -> Any:
+    """parallelism.reduces_once for every layout of `g`: the batch-axes gradient reduction once per
+    step (not per microstep) under train.grad_accum."""
+    moe = w.model.moe
+    return reduces_once(w.grad_accum, w.fp8, bool(moe.num_experts) and moe.dispatch == "ragged", g.zero,
+                        np.asarray(g.data) * np.asarray(g.expert), g.expert)
 
 
 @dataclass(frozen=True)
@@ -186,25 +205,67 @@ class Dims:
                                                np.where(self.remat != NONE, self.units_run, 0)) * self.halves
 
 
-def optimizer_bytes_per_param(w: Workload) -> int:
-    """AdamW's state per parameter element: the first moment (optim.mu_dtype) and the float32
-    second moment; 8 bytes, 6 with a bfloat16 first moment."""
-    return (2 if w.mu_dtype == "bfloat16" else 4) + 4
+def optimizer_bytes_per_param(w: Workload, block: bool = False) -> int:
+    """The optimizer state per parameter element: AdamW's first moment (optim.mu_dtype) and float32
+    second moment, 8 bytes (6 with a bfloat16 first moment); Muon's momentum alone (optim.mu_dtype)
+    for a block parameter (`block`) under optim.name=muon. The blocks' norm scales and routers
+    take AdamW there too, counted as Muon's: under 0.1% of a block's parameters."""
+    mu = 2 if w.mu_dtype == "bfloat16" else 4
+    return mu if block and w.optimizer == "muon" else mu + 4
+
+
+def _newton_schulz_flops(m: Any, n: Any, steps: int) -> Any:
+    """One [m, n] matrix through optax's Newton-Schulz iterations: per step X X^T (2 a^2 b), the
+    polynomial's A A (2 a^3) and its product with X (2 a^2 b), a = min(m, n), b = max(m, n)."""
+    a, b = np.minimum(m, n), np.maximum(m, n)
+    return steps * (4 * a * a * b + 2 * a ** 3)
+
+
+def optimizer_flops_per_device(w: Workload, g: Grid) -> Any:
+    """FLOPs of the optimizer update on one device per step: Muon's Newton-Schulz iterations
+    (AdamW's elementwise pass is not counted). The blocks' matrices per unit (optim.muon_dimensions):
+    q/k/v as N/K + 2 slots of [D, K H], the attention output [N H, D], the MLP's gate, up and
+    output, each expert's three; spread over the devices the state is sharded over
+    (optim.muon_shardings: the stages' own layers, tensor, data under ZeRO, the experts over
+    `expert`), which assumes the layer stack divides them."""
+    s = Dims(w, g)
+    if w.optimizer != "muon":
+        return 0.0 * s.tok
+    ns = lambda m, n: _newton_schulz_flops(m, n, w.ns_steps)  # noqa: E731
+    attention = (s.N // s.K + 2) * ns(s.D, s.K * s.H) + ns(s.N * s.H, s.D)
+    dense, expert = 3 * ns(s.D, s.F), 3 * ns(s.D, s.Fe)
+    spread = s.t * np.where(s.zero >= 1, s.d, 1)
+    unit = (s.unit * attention + (s.unit - s.moe) * dense + s.moe * s.S * expert) / spread \
+        + s.moe * s.E / s.ep * expert / spread
+    return s.units_dev * unit
 
 
 def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla") -> dict[str, Any]:
     """Bytes per device at the peak (the start of the backward pass), by part.
 
+    train.grad_accum = A: one microstep's (B / A rows) activations, plus the float32 accumulator
+    of train_step.accumulate laid out as the parameters (an unreduced [n, ...] carry over the
+    batch shards holds the same bytes per device), and the whole step's batch.
+
     `attention`: 'xla' is what parallax compiles today (jax.nn.dot_product_attention's XLA path
     keeps the [N, T, T] scores, their exponent and the probabilities); 'fused' a flash-style
     kernel that keeps one float32 log-sum-exp per head and token.
     """
+    if w.grad_accum > 1:
+        parts = memory_parts(w.microstep, g, platform, attention)
+        s = Dims(w, g, platform)
+        parts["accumulator"] = 4 * s.params_t / np.where(s.zero == 3, s.d, 1)
+        parts["batch"] = parts["batch"] * w.grad_accum
+        parts["total"] = parts["total"] + parts["accumulator"] + parts["batch"] * (1 - 1 / w.grad_accum)
+        return parts
     s = Dims(w, g, platform)
     c, D, F, H, N, K, T, t = s.c, s.D, s.F, s.H, s.N, s.K, s.T, s.t
     dshard = s.d  # ZeRO shards over data only (sharding.make_rules), experts or not
     params = 4 * s.params_t / np.where(s.zero == 3, dshard, 1)
-    # AdamW's two moments per parameter: mu in optim.mu_dtype (4 or 2 bytes), nu always float32
-    opt = (optimizer_bytes_per_param(w) * s.params_t) / np.where(s.zero >= 1, dshard, 1)
+    # AdamW's two moments per parameter: mu in optim.mu_dtype (4 or 2 bytes), nu always float32;
+    # Muon's blocks one
+    opt = (optimizer_bytes_per_param(w, block=True) * s.Ldev * s.layer_t + optimizer_bytes_per_param(w) * s.outer_t
+           ) / np.where(s.zero >= 1, dshard, 1)
     # ZeRO-1 outside a pipeline: the backward loop slices each layer's reduced gradient to the
     # 1/data shard the update needs (the loop's output stacks are 1/data in the compiled step).
     layer_grads = 4 * s.Ldev * s.layer_t / np.where((s.zero == 3) | ((s.zero == 1) & ~s.piped), dshard, 1)
@@ -229,7 +290,14 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     none = s.unit * attn_none + dense * 6 * F / t * c + s.moe * moe_none  # per unit
     dots = s.unit * attn_dots + dense * 2 * F / t * c + s.moe * moe_dots  # gate/up
     full = D * c * (CPU_FULL_SAVED if s.cpu else 1.0) / sp_t  # the unit's input
-    saved_tok = np.select([s.remat == NONE, s.remat == FULL], [none, full], dots) / s.unit  # per layer
+    # save_attn_mlp (transformer.REMAT_POLICIES): the unit's input, and per block the attention
+    # output after its projection ([B, T, D], T-sharded under sequence parallelism) and the MLP's
+    # gate/up ([B, T, 2, F/t]); an MoE block's experts' gate/up per slot and its shared experts'.
+    names = (s.unit * D * c / sp_t + dense * 2 * F / t * c
+             + s.moe * (s.slots_tok * 2 * s.Fe / t + 2 * s.S * s.Fe / t) * c)
+    offload = s.remat == SAVE_ATTN_MLP_OFFLOAD  # ... those kept in pinned host memory instead
+    saved_tok = np.select([s.remat == NONE, s.remat == FULL, s.remat == DOTS, s.remat == SAVE_ATTN_MLP],
+                          [none, full, dots, full + names], full) / s.unit  # per layer
     if not s.cpu and w.model.dtype != "float32":  # bfloat16 copies of the weights kept per layer
         # (unpipelined ZeRO-3: those copies are the gathered weights, counted in `gathered`)
         saved_layer = np.where((s.remat == NONE) & ~((s.zero == 3) & ~s.piped), 2 * (s.layer_t - 2 * D), 0)
@@ -248,6 +316,13 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     gpipe_saved = s.ticks * (s.Lc * (tok_m * saved_tok + saved_layer) + chunk_slices)
     f1b_saved = (2 * s.p * tok_m * D * c + s.act) / sp_t + s.Lc * (tok_m * saved_tok + saved_layer) + 4 * s.params_t
     activations = np.where(s.f1b, f1b_saved, np.where(s.piped, gpipe_saved, plain_saved))
+    # save_attn_mlp: the unit whose backward runs at the peak holds its names in the working set
+    # below (its un-rematted residuals), so they count once (measured on XLA:CPU: the compiled
+    # step's temporaries over remat=full's are (L-1)/L of every layer's names, within 5%). The
+    # offload variant keeps two units' names on the device: the slice written back to the host
+    # and the one read ahead for the backward (TPU v5e compile: more, see BUILD_NOTES.md).
+    unit_tok = np.where(s.piped, tok_m, s.tok)
+    activations = activations + np.select([s.remat == SAVE_ATTN_MLP, offload], [-unit_tok, 2 * unit_tok], 0) * names
     # Working set: one unit's backward needs about its un-rematted residuals at once (a whole
     # chunk of them inside a pipeline tick); a 1-layer chunk compiles without an inner loop and
     # its residuals are the working set itself.
@@ -285,6 +360,10 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     parts = {"params": params, "optimizer": opt, "gradients": grads, "activations": activations,
              "working": work, "logits": logits, "gathered": gathered, "batch": batch * np.ones_like(params)}
     parts["total"] = sum(parts.values())
+    # Not device memory: save_attn_mlp_offload's residuals in pinned host memory (every layer's;
+    # a pipeline's as its device-side ones would be)
+    host_tok = np.where(offload, names / s.unit, 0)
+    parts["host"] = np.where(s.f1b, s.Lc * tok_m, np.where(s.piped, s.ticks * s.Lc * tok_m, s.L * s.tok)) * host_tok
     return parts
 
 
@@ -303,6 +382,7 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     replicated over `pipe`: every stage runs it on its batch shard.
     XLA's attention computes the whole [T, T] score matrix and masks it (12 N H T per token and
     layer); a fused causal kernel skips the masked half (6 N H T, the model-FLOPs convention).
+    The optimizer: Muon's Newton-Schulz iterations (optimizer_flops_per_device).
     """
     s = Dims(w, g)
     attn = 4 if attention == "xla" else 2
@@ -319,13 +399,19 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     # remat=full recomputes each unit's forward but its last matmul; 1F1B recomputes the stage
     # from its input, which needs every unit's output but the chunk's last; `dots` recomputes
     # the batched expert matmuls (it keeps only matmuls without batch dimensions).
-    recompute = np.select([s.f1b, s.remat == FULL, s.remat == DOTS],
-                          [fwd - dead * s.unit / s.Lc, fwd - dead, s.moe * experts], 0)
+    # save_attn_mlp (and its offload) keeps each block's attention output and gate/up: it
+    # recomputes q/k/v and the attention (the output projection's weight gradient needs the
+    # kernel's output), the dense MLPs' output projection but the unit's last (dead), and in an
+    # MoE block the experts' output projection (the combine's backward needs their outputs).
+    saved = s.unit * (2 * s.D * s.H * (s.N + 2 * s.K) + attn * s.N * s.H * s.T) + (s.unit - 1) * wo \
+        + s.moe * s.slots_tok * 2 * s.D * s.Fe
+    recompute = np.select([s.f1b, s.remat == FULL, s.remat == DOTS, s.remat >= SAVE_ATTN_MLP],
+                          [fwd - dead * s.unit / s.Lc, fwd - dead, s.moe * experts, saved], 0)
     # attention in query blocks (parallel.attention_chunk): each block is checkpointed, so its
     # scores and values are computed once more in the backward pass, under any remat policy
     recompute = recompute + (s.query_rows < s.T) * s.unit * attn * s.N * s.H * s.T
     busy = np.where(s.piped & ~s.f1b, s.ticks / (s.r * s.M), 1.0)  # bubble ticks run the stage too
-    rerun = np.where(s.f1b | (s.remat == FULL), 1, 0)
+    rerun = np.where(s.f1b | (s.remat == FULL) | (s.remat >= SAVE_ATTN_MLP), 1, 0)  # router, combine
     units = s.Ldev / s.unit
     blocks = s.tok * units * ((3 * fwd + recompute) / s.t + (3 + rerun) * moe_replicated) * busy
     # the fused loss head: logits forward, again in the backward (vocab.fused_cross_entropy
@@ -334,5 +420,6 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     # embedding is a gather and its gradient a scatter-add: no matmul FLOPs.
     head = s.tok * np.where(s.f1b, 6, 8) * s.D * s.V / s.t
     embed = 0.0 * s.tok
+    optimizer = optimizer_flops_per_device(w, g) * np.ones_like(blocks)  # Muon's Newton-Schulz
     return {"blocks": blocks, "head": head * np.ones_like(blocks), "embedding": embed * np.ones_like(blocks),
-            "total": blocks + head + embed}
+            "optimizer": optimizer, "total": blocks + head + embed + optimizer}

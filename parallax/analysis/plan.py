@@ -53,6 +53,9 @@ GiB = 2**30
 USABLE_MEMORY = 0.90  # of HBM: XLA's own buffers, fragmentation (raise XLA_PYTHON_CLIENT_MEM_FRACTION from 0.75)
 LINK_EFFICIENCY = 0.80  # achieved / nominal bandwidth of large ring collectives (NCCL bus bandwidth, ICI)
 LATENCY_INTRA, LATENCY_INTER = 10e-6, 30e-6  # seconds per collective
+# remat=save_attn_mlp_offload: bytes/s per device to and from pinned host memory (assumed, not
+# measured: a PCIe Gen4 x16 link's ~25 GB/s shared by two devices), hidden behind the compute
+HOST_LINK_BW = 12.5e9
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,7 +66,8 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3), sequence=(0, 1), fp8: bool = False) -> Grid:
+def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3), sequence=(0, 1), fp8: bool = False,
+               remats=tuple(range(len(REMATS)))) -> Grid:
     """Every layout parallax accepts for `w` on n_devices, as arrays. The enumeration proposes
     (mesh factorizations, microbatch counts dividing a batch shard, schedules, repeats, ZeRO,
     remat, sequence parallelism); `parallelism.legal`, the rules table every config is checked
@@ -85,7 +89,7 @@ def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3), sequence=(0, 
                     scheds = [(GPIPE, 1)] if mb == 1 else [(ONE_F_ONE_B, 1)]
                 else:
                     scheds = [(GPIPE, 1), (ONE_F_ONE_B, 1)] + [(CIRCULAR, r) for r in _divisors(-(-units // p)) if r > 1]
-                for (sched, r), zero, remat in itertools.product(scheds, zero_stages, range(len(REMATS))):
+                for (sched, r), zero, remat in itertools.product(scheds, zero_stages, remats):
                     for sp in (sequence if t > 1 else (0,)):
                         rows.append((d, t, p, e, zero, mb, sched, r, remat, sp, 0))
     if not rows:
@@ -133,7 +137,7 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     f1b = piped & (sched == ONE_F_ONE_B)
     t_blocks = hw["blocks"] / rate
     stretch = np.where(f1b, (m_ + p - 1) / m_, 1.0)  # 1F1B: busy work stretched by its bubble
-    t_compute = t_blocks * stretch + (hw["head"] + hw["embedding"]) / rate
+    t_compute = t_blocks * stretch + (hw["head"] + hw["embedding"] + hw["optimizer"]) / rate
     strides = {"tensor": 1, "expert": t, "data": t * e, "pipe": t * e * d}  # device order: tensor innermost
     sizes = {"tensor": t, "expert": e, "data": d, "pipe": p}
     exposed = {"tensor": 0.0, "pipe": 0.0, "data": 0.0, "expert": 0.0}
@@ -163,12 +167,14 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     exposed["data"] = exposed["data"] + np.maximum(hidden_data - np.where(piped, 0, t_backward), 0)
     exposed["data"] = exposed["data"] + np.maximum(hidden_zero3 - t_compute, 0)
     exposed["pipe"] = exposed["pipe"] + np.maximum(tick_send - t_compute / 2, 0)  # half the tick hides it
-    step = t_compute + exposed["tensor"] + exposed["pipe"] + exposed["data"] + exposed["expert"]
+    # the offloaded residuals go to the host in the forward pass and come back in the backward
+    host_s = np.maximum(2 * mem["host"] / HOST_LINK_BW - t_compute, 0)
+    step = t_compute + exposed["tensor"] + exposed["pipe"] + exposed["data"] + exposed["expert"] + host_s
     flops = model_flops_per_step(w)
     mfu = flops / (n * dev.peak_bf16 * step)
     return {"memory": mem, "flops": hw, "compute_s": t_compute, "tensor_s": exposed["tensor"],
             "pipe_s": exposed["pipe"], "data_s": exposed["data"], "expert_s": exposed["expert"], "step_s": step,
-            "mfu": mfu, "bubble": bubble(sched, p, m_, g.repeats)}
+            "mfu": mfu, "bubble": bubble(sched, p, m_, g.repeats), "host_s": host_s}
 
 
 @dataclass(frozen=True)
@@ -195,9 +201,9 @@ def _row(g: Grid, ev: dict, i: int) -> dict:
 
 
 def search(w: Workload, n_devices: int, dev: Device, per_host: int, attention: str = "xla", fp8: bool = False,
-           top: int = 5, sequence=(0, 1)) -> Plan:
+           top: int = 5, sequence=(0, 1), remats=tuple(range(len(REMATS)))) -> Plan:
     started = time.perf_counter()
-    g = candidates(w, n_devices, sequence=sequence, fp8=fp8)
+    g = candidates(w, n_devices, sequence=sequence, fp8=fp8, remats=remats)
     if np.size(g.data) == 0:
         return Plan([], 0, 0, time.perf_counter() - started, [])
     ev = evaluate(w, g, dev, per_host, attention, fp8)
@@ -241,9 +247,12 @@ def compare_published(run: PublishedRun, attention: str = "fused") -> dict:
     w = Workload(pre.model, run.global_batch or pre.global_batch, pre.seq_len)
     dev, per_host = DEVICES[run.device], run.per_host or DEVICES[run.device].per_host
     features = (0, 1) if run.sequence_parallel else (0,)
-    plan = search(w, run.devices, dev, per_host, attention, top=1, sequence=features)
-    unrestricted = plan if run.sequence_parallel else search(w, run.devices, dev, per_host, attention, top=1)
-    g = candidates(w, run.devices, sequence=features)
+    # none of the published runs offloaded activations to host memory (remat=save_attn_mlp_offload)
+    remats = tuple(i for i, r in enumerate(REMATS) if not r.endswith("_offload"))
+    plan = search(w, run.devices, dev, per_host, attention, top=1, sequence=features, remats=remats)
+    unrestricted = plan if run.sequence_parallel else search(w, run.devices, dev, per_host, attention, top=1,
+                                                             remats=remats)
+    g = candidates(w, run.devices, sequence=features, remats=remats)
     lay = run.layout
     match = ((np.asarray(g.data) == lay["data"]) & (np.asarray(g.tensor) == lay["tensor"])
              & (np.asarray(g.pipe) == lay["pipe"])) if np.size(g.data) else np.zeros(0, bool)

@@ -18,10 +18,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from parallax.config import chunk_length
 from parallax.model.layers import Dense, DotGeneralFactory
-from parallax.model.logical import ParamPlacer, constrain
+from parallax.model.logical import ATTN_OUT, ParamPlacer, constrain
 
 
 def apply_rope(x: jax.Array, theta: float) -> jax.Array:
@@ -91,7 +92,12 @@ class Attention(nn.Module):
         # Grouped-query attention: query head i reads kv head i // (N / K). Softmax in float32.
         out = causal_attention(q, key, value, self.chunk)  # [B, T, N, H]
         out = constrain(out, heads_names)
-        return Dense(
+        y = Dense(
             (d_model,), ("heads", "kv", "embed"), contract=2, init_std=self.out_std, dtype=self.dtype,
             dot_general=self.dot_general, grad_dtype=self.grad_dtype, placer=self.placer, name="out",
         )(out)  # [B, T, N, H] -> [B, T, D]
+        # Named after the output projection, as MaxText's "out_proj": kept (remat=save_attn_mlp),
+        # the backward rebuilds the residual stream with an add, without re-running this matmul
+        # or its tensor all-reduce; the kernel's own output would not spare the recomputation of
+        # q, k, v and the scores, which the attention's backward needs anyway.
+        return checkpoint_name(y, ATTN_OUT)

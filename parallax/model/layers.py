@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
-from parallax.model.logical import (ParamPlacement, ParamPlacer, constrain, constrain_param, param_placement, vary,
-                              varying_axes)
+from parallax.model.logical import (MLP_WI, ParamPlacement, ParamPlacer, constrain, constrain_param, param_placement,
+                                    vary, varying_axes)
 
 # A factory returning a Flax module with lax.dot_general's signature (e.g. an FP8 op that keeps
 # its scaling state in its own collection). None means plain jax.lax.dot_general. Called from
@@ -234,6 +235,7 @@ class MLP(nn.Module):
             (2, self.d_ff), ("embed", None, "mlp"), init_std=self.init_std, dtype=self.dtype,
             dot_general=self.dot_general, grad_dtype=self.grad_dtype, placer=self.placer, name="wi",
         )(x)  # [B, T, D] -> [B, T, 2, F]
+        gate_up = checkpoint_name(gate_up, MLP_WI)  # kept under remat=save_attn_mlp
         h = nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
         h = constrain(h, ("activation_batch", "activation_length", "activation_mlp"))  # [B, T, F]
         return Dense(

@@ -179,6 +179,12 @@ def vary(x: jax.Array, axes: Iterable[str]) -> jax.Array:
 # Parameters: where they are stored vs where they are computed with (ZeRO-3)
 
 PARAM_COMPUTE = "param_compute"  # checkpoint name of a parameter gathered to its compute layout
+# Checkpoint names of the activations the `save_attn_mlp` remat policies keep (transformer.REMAT_POLICIES):
+# the attention block's output after its output projection (MaxText's "out_proj") and the MLP's
+# first projection, gate and up together (MaxText's "mlpwi"; the MoE experts' and shared experts' too).
+ATTN_OUT = "attn_out"
+MLP_WI = "mlp_wi"
+SAVED_ACTIVATIONS = (ATTN_OUT, MLP_WI)
 
 
 @dataclass(frozen=True)

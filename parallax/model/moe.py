@@ -30,10 +30,11 @@ from typing import Any, Callable, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from parallax.config import MoEConfig, moe_capacity
 from parallax.model.layers import MLP, DotGeneralFactory, make_dot, param_matmul
-from parallax.model.logical import ParamPlacer, constrain, constrain_param
+from parallax.model.logical import MLP_WI, ParamPlacer, constrain, constrain_param
 
 SLOTS = ("activation_batch", None, None, "activation_embed")  # [G, E, C, D] before the exchange
 EXPERT_SLOTS = ("activation_batch_no_expert", "activation_expert", None, "activation_embed")  # after
@@ -194,6 +195,7 @@ def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.
     dtype = x.dtype
     gate = jax.lax.ragged_dot(x, wi[:, :, 0, :].astype(dtype), group_sizes, preferred_element_type=dtype)  # [M, F]
     up = jax.lax.ragged_dot(x, wi[:, :, 1, :].astype(dtype), group_sizes, preferred_element_type=dtype)
+    gate, up = checkpoint_name(gate, MLP_WI), checkpoint_name(up, MLP_WI)  # kept under remat=save_attn_mlp
     return jax.lax.ragged_dot(nn.silu(gate) * up, wo.astype(dtype), group_sizes, preferred_element_type=dtype)
 
 
@@ -263,6 +265,7 @@ class MoE(nn.Module):
         # Two dot_general instances: each FP8 operand keeps its own scale and history.
         gate_up = param_matmul(slots, wi, (((3,), (1,)), ((1,), (0,))), wi_axes, self.dtype, self.grad_dtype,
                                make_dot(self.dot_general), self.placer)
+        gate_up = checkpoint_name(gate_up, MLP_WI)  # kept under remat=save_attn_mlp (see transformer.py)
         h = constrain(nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], HIDDEN)  # [E, B, C, F]
         out = param_matmul(h, wo, (((3,), (1,)), ((0,), (0,))), wo_axes, self.dtype, self.grad_dtype,
                            make_dot(self.dot_general), self.placer)

@@ -23,7 +23,7 @@ from parallax.model.attention import Attention
 from parallax.config import ModelConfig, expert_d_ff, stack_length
 from parallax.model.fp8 import FP8_COLLECTION
 from parallax.model.layers import MLP, DotGeneralFactory, RMSNorm
-from parallax.model.logical import PARAM_COMPUTE, ParamPlacer, constrain
+from parallax.model.logical import PARAM_COMPUTE, SAVED_ACTIVATIONS, ParamPlacer, constrain
 from parallax.model.moe import LOCAL, Exchange, MoE
 from parallax.model.vocab import LOGITS, Embed, Head
 
@@ -37,6 +37,18 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs
     # Selective: keep matmul outputs, recompute the cheap elementwise work (norms, silu, rope).
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # MaxText's save_out_proj + mlpwi: keep the attention output after its projection and the
+    # MLP's gate/up output (logical.SAVED_ACTIVATIONS; an MoE layer's expert and shared-expert
+    # gate/up too), recompute the rest: norms, q/k/v and the attention, silu, the MLP's output
+    # projection (and, MoE, the router, the dispatch, both all-to-alls and the experts' output
+    # projection). Nothing else is saveable, so ZeRO-3's gathered weights (PARAM_COMPUTE) are
+    # gathered again in the backward pass, as under `full`.
+    "save_attn_mlp": jax.checkpoint_policies.save_only_these_names(*SAVED_ACTIVATIONS),
+    # The same residuals, moved to pinned host memory after the forward pass and back for the
+    # backward pass (parallelism.py refuses it on XLA:CPU, which has no host memory space).
+    "save_attn_mlp_offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED_ACTIVATIONS),
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -48,7 +60,8 @@ def remat_policy(name: str, pinned: bool = False) -> Callable | None:
     backward pass would gather each layer's weights again instead of holding every layer's full
     copy. The compiled step shows it does not: the name sits on the gathered copy, and
     `save_anything_except_these_names` then saves the copy's producer, the gathered value itself
-    (one gather per weight per step, as cost.py counts). Remat full and dots do gather again.
+    (one gather per weight per step, as cost.py counts). Remat full and dots do gather again, and
+    so do the save_attn_mlp policies, which can save nothing but their two names.
     """
     if name == "none":
         return jax.checkpoint_policies.save_anything_except_these_names(PARAM_COMPUTE) if pinned else None

@@ -22,7 +22,6 @@ stage's outputs reach every stage through one psum over `pipe`.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -102,10 +101,10 @@ def stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
 
     With `rep` (circular schedule) the params and FP8 state are the stage's whole [R, Lc, ...]
     stack and, under a remat policy, each unit slices its own weights inside its checkpoint.
-    `full` and `dots` never save a slice (not a matmul output): sliced outside, the slice (picked
-    by the tick's repeat index) is a per-tick residual of the tick loop, ticks x the chunk's
-    weights; inside, the residual is the loop-invariant stack and the backward slices again (a
-    copy, not a FLOP). ZeRO-3's `none` policy saves everything but values named as gathered
+    `full`, `dots` and `save_attn_mlp` never save a slice (not a matmul output, not named):
+    sliced outside, the slice (picked by the tick's repeat index) is a per-tick residual of the
+    tick loop, ticks x the chunk's weights; inside, the residual is the loop-invariant stack and
+    the backward slices again (a copy, not a FLOP). ZeRO-3's `none` policy saves everything but values named as gathered
     weights, slices included, so it keeps them like the per-tick slice (and, in practice, the
     gathered weights too: the named copy's producer is the gathered value; BUILD_NOTES.md). Without a policy, slicing per unit
     measured worse than the per-tick slice (BUILD_NOTES.md).

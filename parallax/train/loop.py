@@ -9,6 +9,10 @@ them again); checkpoints are never deleted by a flag. SIGTERM/SIGINT finish the 
 was saved: no step ran). `train.max_bad_steps` consecutive non-finite steps stop the run
 (`TrainingDiverged`; its last good checkpoint is kept).
 
+Every session appends its events (start, compile, each step's time, evaluations, save stalls,
+end) to WORKDIR/events.jsonl; the goodput read from them (goodput.py) goes into each record and
+the last line. `--profile-steps` traces a window of steps (profiler.py).
+
 Does not import JAX at module load: the command line sizes the simulated devices first.
 """
 
@@ -26,6 +30,7 @@ from parallax.config import Config, UserError, flatten
 from parallax.train.distributed import StopSignals, WorkdirLock
 
 RUN_FILE = "run.json"  # the config a workdir's run started with: a rerun before any checkpoint is that run again
+_FIRST_RUN = [True]  # the process's first run starts at the process's start (imports count); a later one at its call
 
 
 class WorkdirError(UserError):
@@ -147,15 +152,21 @@ def _warn(line: str) -> None:
 
 
 def run(cfg: Config, workdir: Path, overwrite: bool = False, fresh: bool = False,
-        stop_at: int | None = None, signals: StopSignals | None = None) -> dict:
+        stop_at: int | None = None, signals: StopSignals | None = None, profile=None) -> dict:
     """Train `cfg`, resuming from the newest checkpoint in `workdir`; returns the last metrics
-    record ({} when there was nothing left to train). JAX is imported here, not at module load."""
+    record ({} when there was nothing left to train). `profile`: a profiler.ProfileWindow to trace.
+    JAX is imported here, not at module load."""
+    from parallax.train.goodput import process_start_time
+
+    began = process_start_time() if _FIRST_RUN[0] else time.time()
+    _FIRST_RUN[0] = False
     lock = WorkdirLock(workdir)
+    opts = dict(overwrite=overwrite, fresh=fresh, stop_at=stop_at, lock=lock, profile=profile, began=began)
     try:
         if signals is not None:
-            return _run(cfg, workdir, overwrite, fresh, stop_at, signals, lock)
+            return _run(cfg, workdir, signals=signals, **opts)
         with StopSignals() as signals:
-            return _run(cfg, workdir, overwrite, fresh, stop_at, signals, lock)
+            return _run(cfg, workdir, signals=signals, **opts)
     finally:
         lock.release()
 
@@ -176,11 +187,13 @@ class _Start:
 
 
 def _run(cfg: Config, workdir: Path, overwrite: bool, fresh: bool, stop_at: int | None, signals: StopSignals,
-         lock: WorkdirLock) -> dict:
+         lock: WorkdirLock, profile, began: float) -> dict:
     import jax
 
     from parallax.train.build import build
     from parallax.train.checkpoint import Checkpoints
+    from parallax.train.goodput import EventLog
+    from parallax.train.profiler import StepProfiler
 
     built = build(cfg)
     data = _open_data(cfg)
@@ -188,19 +201,22 @@ def _run(cfg: Config, workdir: Path, overwrite: bool, fresh: bool, stop_at: int 
     say = print if lead else (lambda *a, **k: None)
     checkpoints = Checkpoints(workdir, cfg.checkpoint)
     end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
-    start = _begin(cfg, built, workdir, checkpoints, lock, lead, say, overwrite, fresh, end)
+    start = _begin(cfg, built, workdir, checkpoints, lock, lead, say, overwrite, fresh, end, profile)
     if start.step >= end:
         checkpoints.close()
         say(f"nothing to train: the checkpoint is at step {start.step} and the run ends at step {end}")
         return {}
     writer = _open_records(cfg, workdir, lead, say, start)
-    training = _Training(cfg, built, start, data, checkpoints, signals, lead, say)
+    events = EventLog(workdir, enabled=lead, fresh=overwrite)  # --overwrite replaces another run's log
+    events.write("start", t=began, step=start.step, pid=os.getpid())
+    training = _Training(cfg, built, start, data, checkpoints, signals, lead, say, events,
+                         StepProfiler(profile, workdir, say, lead))
     training.steps(writer, end)
     return training.finish(writer, workdir, end)
 
 
 def _begin(cfg: Config, built, workdir: Path, checkpoints, lock: WorkdirLock, lead: bool, say, overwrite: bool,
-           fresh: bool, end: int) -> _Start:
+           fresh: bool, end: int, profile=None) -> _Start:
     """Claim the workdir, check that it can hold this run, say what runs, then restore or initialise."""
     from parallax.train.train_state import init_state
 
@@ -210,6 +226,8 @@ def _begin(cfg: Config, built, workdir: Path, checkpoints, lock: WorkdirLock, le
     _announce(cfg, built, workdir, say)
     # Restoring reads only; a config that does not fit the checkpoint fails here, before any write.
     restored = checkpoints.restore(cfg, built.layout) if saved_steps else None
+    if profile is not None:  # the steps this run executes are known now: the window must be inside them
+        profile.check_start(restored.step if restored else 0, end)
     workdir.mkdir(parents=True, exist_ok=True)  # only now: every user input has been checked
     _claim(lock, workdir, lead, create=True)
     # Another run may have saved here before this one held the lock. The collective also keeps
@@ -262,8 +280,13 @@ def _open_records(cfg: Config, workdir: Path, lead: bool, say, start: _Start):
             say(f"metrics.jsonl: dropped {dropped} records of steps after {start.step} (repeated now)")
     if lead and start.restored is None:
         _write_run_file(workdir, cfg)
+    tracker = None
+    if lead and cfg.metrics.wandb:  # wandb is imported only here (cli.preflight checked that it imports)
+        from parallax.train.tracker import WandbTracker
+
+        tracker = WandbTracker(cfg, workdir, start.resuming)
     writer = MetricsWriter(workdir, enabled=lead, mode="a" if start.resuming else "w",
-                           purge_step=start.step + 1 if start.resuming else None)
+                           purge_step=start.step + 1 if start.resuming else None, tracker=tracker)
     if start.restored is not None:  # records a full disk kept out of metrics.jsonl, saved with the checkpoint
         for rec in start.restored.meta.get("unwritten_records", []):
             if lead and rec["step"] > last:
@@ -326,9 +349,11 @@ class StepRecord:
 class _Training:
     """The step loop of one run and what it leaves: the last record, and why it stopped."""
 
-    def __init__(self, cfg: Config, built, start: _Start, data, checkpoints, signals: StopSignals, lead: bool, say):
+    def __init__(self, cfg: Config, built, start: _Start, data, checkpoints, signals: StopSignals, lead: bool, say,
+                 events, profiler):
         self.cfg, self.built, self.checkpoints, self.signals, self.lead, self.say = \
             cfg, built, checkpoints, signals, lead, say
+        self.events, self.profiler = events, profiler  # goodput.EventLog, profiler.StepProfiler
         self.train_data, self.val_data = data
         self.start, self.state, self.skipped = start.step, start.state, start.skipped
         self.train_step, self.eval_step = built.train_step(), built.eval_step()
@@ -367,22 +392,34 @@ class _Training:
         started = time.perf_counter()
         batch = self.batch(self.train_data, self.start)
         compiled = self.train_step.lower(self.state, batch).compile()
+        self.events.write("compiled", dt=time.perf_counter() - started)
         self.say(f"compiled train step in {time.perf_counter() - started:.1f} s")
         self.signals.training = True
         try:
             with writer, self.checkpoints, Progress(self.cfg.train.steps, enabled=self.lead) as progress:
                 for step in range(self.start, end):
-                    t0 = time.perf_counter()
-                    self.state, metrics = compiled(self.state, batch)
-                    if step + 1 < end:  # build the next batch on the host while the device computes
-                        batch = self.batch(self.train_data, step + 1)
-                    metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
-                    if not self.after_step(step + 1, metrics, time.perf_counter() - t0, writer, progress, end):
+                    with self.profiler.annotate(step + 1):  # a no-op outside --profile-steps
+                        t0 = time.perf_counter()
+                        self.state, metrics = compiled(self.state, batch)
+                        if step + 1 < end:  # build the next batch on the host while the device computes
+                            batch = self.batch(self.train_data, step + 1)
+                        metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
+                        dt = time.perf_counter() - t0
+                    self.profiler.after(step + 1, self.state)
+                    if not self.after_step(step + 1, metrics, dt, writer, progress, end):
                         break
+                self.profiler.stop()  # a window the loop left early (a signal): what was traced
+                t0 = time.perf_counter()
+                self.checkpoints.wait()  # the last save's stall is the run's, not the exit's
+                self.events.write("save", sync=True, step=self.done, dt=time.perf_counter() - t0, final=True)
         except CheckpointError as e:
             if self.failed is not None:  # the save that was to keep the steps failed too
                 raise WorkdirError(f"{self.failed}; {e}") from e
             raise
+        finally:
+            self.profiler.stop(summary=False)  # an error stopped the window: keep the trace, say nothing more
+            self.events.write("end", sync=True, step=self.done)
+            self.events.close()
 
     def after_step(self, done: int, metrics: dict[str, float], dt: float, writer, progress, end: int) -> bool:
         """Record, evaluate, write, save; False when the run stops here."""
@@ -394,8 +431,12 @@ class _Training:
         self.bad_run = 0 if metrics["finite"] else self.bad_run + 1
         self.skipped += int(not metrics["finite"])
         record = self.record = self.step_record(done, metrics, dt, self.skipped)
+        self.events.write("step", step=done, dt=dt, ok=bool(metrics["finite"]))
         if (t.eval_every > 0 and done % t.eval_every == 0) or done == t.steps:
+            t0 = time.perf_counter()
             record["eval_loss"] = self.evaluate()
+            self.events.write("eval", step=done, dt=time.perf_counter() - t0)
+        record["goodput"] = self.events.summary().fraction  # of the wall time so far, every session
         if done % t.log_every == 0 or done in (t.steps, end) or "eval_loss" in record or self.bad_run:
             try:
                 writer.write(record)
@@ -411,7 +452,9 @@ class _Training:
         every = self.cfg.checkpoint.every
         periodic = every > 0 and done % every == 0 and not self.bad_run
         if (periodic or stopping or done == end) and self.checkpoints.last_saved != done:
+            t0 = time.perf_counter()
             self.save(done)
+            self.events.write("save", sync=True, step=done, dt=time.perf_counter() - t0)
         return not stopping
 
     def finish(self, writer, workdir: Path, end: int) -> dict:
@@ -420,6 +463,9 @@ class _Training:
         if writer.tb_error:
             _warn(f"TensorBoard events under {str(workdir / 'tb')!r} could not all be written "
                   f"({writer.tb_error}); metrics.jsonl holds every record")
+        if self.events.error:
+            _warn(f"{str(self.events.path)!r} could not all be written ({self.events.error}); the goodput misses "
+                  "what it lost")
         if self.failed is not None:
             raise WorkdirError(f"{self.failed}; checkpoint step {done} was saved to {checkpoints.path(done)} first, "
                                "with that record: make room, then run the same command to resume")
@@ -434,5 +480,18 @@ class _Training:
             self.say(f"stopped at step {done} (--stop-at); checkpoint saved to {checkpoints.path(done)}")
         else:
             self.say(f"done: step {record['step']} loss {record['loss']:.4f} "
-                     f"eval_loss {record.get('eval_loss', float('nan')):.4f}")
+                     f"eval_loss {record.get('eval_loss', float('nan')):.4f}; {_goodput_text(self.events.tally.summary())}")
         return record
+
+
+def _goodput_text(g) -> str:
+    """'goodput 71.3% of 12.4 s (compile 2.1 s, ...)': the fraction, then where the rest went."""
+    if g.fraction is None:
+        return "goodput unknown"
+    lost = [(name, v) for name, v in (("startup", g.startup_s), ("compile", g.compile_s), ("replayed", g.replayed_s),
+                                      ("skipped", g.skipped_s), ("eval", g.eval_s), ("saves", g.save_s),
+                                      ("other", g.other_s))
+            if v >= 0.05 or (v > 0 and name in ("replayed", "skipped"))]  # a crash's loss is named, however small
+    rest = ", ".join(f"{name} {v:.1f} s" if v >= 1 else f"{name} {v:.2f} s" for name, v in lost)
+    return (f"goodput {g.fraction:.1%} of {g.wall_s:.1f} s over {g.sessions} session{'s' * (g.sessions != 1)}"
+            + (f" ({rest})" if rest else ""))

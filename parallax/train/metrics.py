@@ -194,15 +194,18 @@ class MetricsWriter:
     Non-finite floats become null in the JSONL (NaN is not valid JSON) but reach TensorBoard.
     A write that fails (a full disk) leaves no partial line: the file is cut back to the last
     whole record and MetricsError is raised. `purge_step` (a resume) hides TensorBoard's events
-    from that step on, which the resumed run writes again.
+    from that step on, which the resumed run writes again. `tracker` (train/tracker.py's
+    WandbTracker, or None) is handed every record written, and finished at close.
     """
 
-    def __init__(self, workdir: str | Path, *, enabled: bool = True, mode: str = "w", purge_step: int | None = None):
+    def __init__(self, workdir: str | Path, *, enabled: bool = True, mode: str = "w", purge_step: int | None = None,
+                 tracker=None):
         if mode not in ("w", "a", "x"):
             raise ValueError(f"MetricsWriter mode must be 'w', 'a' or 'x', got {mode!r}")
         self.enabled = enabled
         self.path = Path(workdir) / "metrics.jsonl"
         self._file = self._tb = None
+        self.tracker = tracker if enabled else None
         self.tb_error: str | None = None  # TensorBoard is best effort: its first failure, if any
         if not enabled:
             return
@@ -244,6 +247,8 @@ class MetricsWriter:
             except OSError:
                 pass
             raise MetricsError(f"writing step {step} to {str(self.path)!r} failed ({e.strerror})") from None
+        if self.tracker is not None:
+            self.tracker.log(values, step)
         if self._tb is None:
             return
         try:
@@ -253,10 +258,13 @@ class MetricsWriter:
         except OSError as e:
             self.tb_error = self.tb_error or f"{e.strerror or e}"
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self.tracker is not None:
+            tracker, self.tracker = self.tracker, None
+            tracker.finish(failed)
         if self._tb is not None:
             tb, self._tb = self._tb, None
             try:
@@ -272,7 +280,7 @@ class MetricsWriter:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close(failed=exc[0] is not None)
 
 
 def _format_duration(seconds: float) -> str:

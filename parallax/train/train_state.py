@@ -22,7 +22,7 @@ from parallax.config import Config, ConfigError
 from parallax.parallel.expert_parallel import EXPERT_EXCHANGE
 from parallax.model.fp8 import FP8_COLLECTION, transformer_dot_generals
 from parallax.model.transformer import Transformer
-from parallax.train.optim import make_optimizer
+from parallax.train.optim import make_optimizer, muon_shardings
 from parallax.parallel.pipeline_1f1b import make_1f1b_value_and_grad
 from parallax.parallelism import Parallelism, Schedule
 from parallax.parallel.pipeline import make_pipelined_apply, stage_specs, to_stages
@@ -105,7 +105,6 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
     """The layout of `cfg` on `mesh`. `par`: the layout's checked rules (parallelism.py); None
     checks them here. Either way nothing unchecked is laid out. `model`: default make_model(cfg)."""
     model = model or make_model(cfg)
-    tx = make_optimizer(cfg)
     rules = compute_rules(cfg.parallel)
     # Laid out only once checked: every rule of parallelism.py for this mesh and platform.
     if par is None:
@@ -129,17 +128,22 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
             variables = {"params": params, **({FP8_COLLECTION: fp8} if fp8 else {})}
             return model.apply(variables, tokens, targets, method=Transformer.loss)
     params = jax.eval_shape(lambda r: _init_params(model, cfg, r, schedule), jax.random.key(0))
+    opt_param_shardings = logical_shardings(logical_specs, mesh, optimizer_rules(cfg.parallel))
+    muon_layout = muon_shardings(params, logical_specs, opt_param_shardings) if cfg.optim.name == "muon" else None
+    tx = make_optimizer(cfg, logical_specs, muon_layout)  # the stage layout's names when pipelined
     opt_state = jax.eval_shape(tx.init, params)
     fp8 = jax.eval_shape(lambda r: _init_fp8(model, cfg, r), jax.random.key(0))
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=opt_state, fp8=fp8)
 
     replicated = NamedSharding(mesh, P())
-    opt_param_shardings = logical_shardings(logical_specs, mesh, optimizer_rules(cfg.parallel))
     # Moments mirror the params tree inside optax's state; everything else (counts) is replicated.
+    # A partitioned optimizer (Muon's) holds an empty MaskedNode where the other half owns the
+    # leaf, so a Muon leaf's state is the Muon half's: muon_layout (AdamW's leaves as the rules say).
     opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, opt_state, opt_param_shardings,
+        tx, lambda v, s: v if isinstance(v, optax.MaskedNode) else s, opt_state,
+        opt_param_shardings if muon_layout is None else jax.tree.map(lambda m: m.final, muon_layout),
         transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
+        is_leaf=lambda x: isinstance(x, (NamedSharding, optax.MaskedNode)),
     )
     fp8_shardings = jax.tree.map(lambda _: replicated, fp8)
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, fp8=fp8_shardings)

@@ -19,6 +19,7 @@ from parallax.config import Config
 from parallax.model.transformer import moe_loss
 from parallax.model.fp8 import FP8_COLLECTION, fp8_metrics, fp8_variables, overwrite
 from parallax.train.optim import applied_count, make_lr_schedule
+from parallax.parallelism import reduces_once
 from parallax.parallel.sharding import BATCH_AXES, logical_context
 from parallax.train.train_state import Layout, TrainState
 
@@ -97,27 +98,43 @@ def make_sharded_value_and_grad(layout: Layout, shards: int) -> Callable[..., tu
     (batch B); their per-device partial sums over tensor-sharded parameters reduce as scalars.
     Dense and MoE layers without the expert all-to-all only, no FP8 state (parallelism.RULES).
     """
+    per_shard, split = _per_shard(layout, shards, make_loss_fn)
+
+    def value_and_grad(params: Any, batch: Batch, fp8: Any) -> tuple[tuple[jax.Array, Aux], tuple[Any, Any], dict]:
+        (losses, (ces, stats)), shard_grads = per_shard(params, split(batch), fp8)
+        sq = [jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim))) for g in jax.tree.leaves(shard_grads)]
+        grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), shard_grads)
+        norms = {"grad_sq_small": jnp.mean(sum(sq)), "grad_sq_big": optax.tree.norm(grads, squared=True)}
+        return (jnp.mean(losses), (jnp.mean(ces), _shards_stats(stats))), (grads, fp8), norms
+
+    return value_and_grad
+
+
+def _shards_stats(stats: dict) -> dict:
+    """MoE statistics [n, ...] of n shards (or microsteps) -> the batch's: expert load is a count
+    (the sum), every other statistic a mean."""
+    return {k: jnp.sum(v, axis=0) if k == "load" else jnp.mean(v, axis=0) for k, v in stats.items()}
+
+
+def _per_shard(layout: Layout, shards: int, make_loss: Callable[[Layout], Callable]) -> tuple[Callable, Callable]:
+    """(value_and_grad of make_loss(layout) vmapped over the batch shards, the batch [B, T] ->
+    [n, B/n, T] split it takes), n = `shards` = data x expert, dim 0 on the batch axes: each device
+    differentiates its own B/n rows, the gradient per shard [n, ...] unreduced until a caller takes
+    its mean (the reduction over the batch axes). The rows within one shard name no batch axis."""
     rules = tuple((name, None if name in _BATCH_NAMES else axes) for name, axes in layout.rules)
-    loss_fn = make_loss_fn(dataclasses.replace(layout, rules=rules))
+    loss_fn = make_loss(dataclasses.replace(layout, rules=rules))
     # Only the batch axes of size > 1: a size-1 `expert` axis still names the MoE slots' expert
     # dimension inside, and vmap refuses an axis used both for the shards and within them.
     axes = tuple(a for a in BATCH_AXES if layout.mesh.shape[a] > 1)
     per_shard = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0, None), spmd_axis_name=axes)
     split_spec = NamedSharding(layout.mesh, P(axes, None, None))
 
-    def value_and_grad(params: Any, batch: Batch, fp8: Any) -> tuple[tuple[jax.Array, Aux], tuple[Any, Any], dict]:
+    def split(batch: Batch) -> Batch:
         # Row block k of the batch is shard k, already on the devices of batch-shard k: no copy.
-        split = {k: jax.lax.with_sharding_constraint(v.reshape(shards, v.shape[0] // shards, *v.shape[1:]), split_spec)
-                 for k, v in batch.items()}
-        (losses, (ces, stats)), shard_grads = per_shard(params, split, fp8)
-        sq = [jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim))) for g in jax.tree.leaves(shard_grads)]
-        grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), shard_grads)
-        # Expert load is a count: the batch's is the shards' sum; every other statistic is a mean.
-        stats = {k: jnp.sum(v, axis=0) if k == "load" else jnp.mean(v, axis=0) for k, v in stats.items()}
-        norms = {"grad_sq_small": jnp.mean(sum(sq)), "grad_sq_big": optax.tree.norm(grads, squared=True)}
-        return (jnp.mean(losses), (jnp.mean(ces), stats)), (grads, fp8), norms
+        return {k: jax.lax.with_sharding_constraint(v.reshape(shards, v.shape[0] // shards, *v.shape[1:]), split_spec)
+                for k, v in batch.items()}
 
-    return value_and_grad
+    return per_shard, split
 
 
 def microsteps(batch: Batch, mesh: jax.sharding.Mesh, shards: int, steps: int) -> Batch:
@@ -134,32 +151,59 @@ def microsteps(batch: Batch, mesh: jax.sharding.Mesh, shards: int, steps: int) -
     return {k: split(v) for k, v in batch.items()}
 
 
-def accumulate(layout: Layout, steps: int) -> Callable[..., Any]:
+def accumulate(cfg: Config, layout: Layout) -> Callable[..., Any]:
     """train.grad_accum: make_value_and_grad's (params, batch, fp8) -> ((loss, (ce, stats)),
     (grads, fp8)) run as `steps` microsteps of B/steps rows in a `lax.scan`, so only one
     microstep's activations are live.
 
     Each microstep differentiates its loss / steps, so every cotangent in it is the whole batch's
     for those rows (FP8's output-gradient amaxes included: differentiating each microstep's own
-    mean made them `steps` times too large); the gradients are summed in float32 in the carry
-    (laid out as the parameters). Loss and cross-entropy are the microsteps' mean, MoE statistics
+    mean made them `steps` times too large); the gradients are summed in float32 in the carry.
+    Loss and cross-entropy are the microsteps' mean, MoE statistics
     too but the expert `load` (a count: the sum). The FP8 state's new value is the elementwise
     max over microsteps (as fm32 combines the uses within one program, fp8.py), starting from
     -inf (fm32's zero: a state no microstep used stays unused for `overwrite`).
+
+    Where parallelism.reduces_once holds, each batch shard's gradient is accumulated unreduced
+    (the carry [n, ...] over the batch axes, `_per_shard`: the per-device memory of one gradient
+    laid out as the parameters, as before) and the mean over shards, the reduction over the batch
+    axes, runs once after the scan; elsewhere the partitioner reduces each microstep's gradient.
     """
-    mesh, shards = layout.mesh, layout.parallelism.batch_shards
+    mesh, par, steps = layout.mesh, layout.parallelism, cfg.train.grad_accum
+    shards = par.batch_shards
     rows = NamedSharding(mesh, P(BATCH_AXES, None))
-    loss_fn = make_loss_fn(layout)
 
-    def micro_loss(params: Any, batch: Batch, fp8: Any) -> tuple[jax.Array, Aux]:
-        loss, aux = loss_fn(params, batch, fp8)
-        return loss / steps, aux
+    def make_micro_loss(lay: Layout) -> Callable[..., tuple[jax.Array, Aux]]:
+        loss_fn = make_loss_fn(lay)
 
-    value_and_grad = jax.value_and_grad(micro_loss, argnums=(0, 2), has_aux=True)
+        def micro_loss(params: Any, batch: Batch, fp8: Any) -> tuple[jax.Array, Aux]:
+            loss, aux = loss_fn(params, batch, fp8)
+            return loss / steps, aux
+
+        return micro_loss
+
+    moe = cfg.model.moe
+    once = bool(reduces_once(steps, cfg.fp8.enabled, bool(moe.num_experts) and moe.dispatch == "ragged", par.zero,
+                             shards, par.expert))
+    if once:  # no FP8 here (reduces_once): the state passes through
+        per_shard, split = _per_shard(layout, shards, make_micro_loss)
+
+        def value_and_grad(params: Any, micro: Batch, fp8: Any) -> tuple[tuple[jax.Array, Aux], tuple[Any, Any]]:
+            (losses, (ces, stats)), grads = per_shard(params, split(micro), fp8)
+            return (jnp.mean(losses), (jnp.mean(ces), _shards_stats(stats))), (grads, fp8)
+
+        def accumulator(p: jax.Array, s: NamedSharding) -> jax.Array:
+            axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+            spec = NamedSharding(mesh, P(axes, *s.spec))
+            return jax.lax.with_sharding_constraint(jnp.zeros((shards, *p.shape), jnp.float32), spec)
+    else:
+        value_and_grad = jax.value_and_grad(make_micro_loss(layout), argnums=(0, 2), has_aux=True)
+
+        def accumulator(p: jax.Array, s: NamedSharding) -> jax.Array:
+            return jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s)
 
     def accumulated(params: Any, batch: Batch, fp8: Any) -> tuple[tuple[jax.Array, Aux], tuple[Any, Any]]:
-        zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
-                             params, layout.param_shardings)
+        zeros = jax.tree.map(accumulator, params, layout.param_shardings)
         unused = jax.tree.map(lambda x: jnp.full(jnp.shape(x), -jnp.inf, jnp.float32), fp8)
 
         def body(carry: tuple[Any, Any], micro: Batch) -> tuple[tuple[Any, Any], tuple]:
@@ -171,10 +215,11 @@ def accumulate(layout: Layout, steps: int) -> Callable[..., Any]:
             return (acc, fp8_acc), (loss, ce, stats)
 
         (acc, fp8_new), (losses, ces, stats) = jax.lax.scan(body, (zeros, unused), microsteps(batch, mesh, shards, steps))
+        if once:  # the one reduction over the batch axes: the shards' mean
+            acc = jax.tree.map(lambda a: jnp.mean(a, axis=0), acc)
         grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
         fp8_new = jax.tree.map(lambda n, x: n.astype(jnp.asarray(x).dtype), fp8_new, fp8)
-        stats = {k: jnp.sum(v, axis=0) if k == "load" else jnp.mean(v, axis=0) for k, v in stats.items()}
-        return (jnp.sum(losses), (jnp.mean(ces), stats)), (grads, fp8_new)  # losses are loss / steps
+        return (jnp.sum(losses), (jnp.mean(ces), _shards_stats(stats))), (grads, fp8_new)  # losses are loss / steps
 
     return accumulated
 
@@ -200,12 +245,16 @@ def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch]
     if cfg.train.noise_scale:  # per-shard gradients too; the metrics gain grad_sq_small/big
         value_and_grad = make_sharded_value_and_grad(layout, layout.parallelism.batch_shards)
     if cfg.train.grad_accum > 1:  # microsteps in a scan (parallelism.RULES: no pipeline, no noise scale)
-        value_and_grad = accumulate(layout, cfg.train.grad_accum)
+        value_and_grad = accumulate(cfg, layout)
     schedule = make_lr_schedule(cfg)
 
     def update(state: TrainState, grads: Any, fp8_new: Any) -> tuple[Any, Any, Any]:
         updates, opt_state = layout.tx.update(grads, state.opt_state, state.params)
         return optax.apply_updates(state.params, updates), opt_state, overwrite(state.fp8, fp8_new)
+
+    def all_finite(tree: Any) -> jax.Array:
+        checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         (loss, (ce, stats)), (grads, fp8_new), *norms = value_and_grad(state.params, batch, state.fp8)
@@ -215,16 +264,21 @@ def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch]
         # finite loss), skips the update (state as it was) but still counts the step, so the data
         # position moves past the bad batch and no checkpoint is ever written from non-finite
         # state. A select, not a cond: it fuses into the elementwise optimizer update.
-        checked = update(state, grads, fp8_new)
-        new_finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(checked) if jnp.issubdtype(x.dtype, jnp.inexact)]
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)  # the training loss, router losses included
-        finite = finite & jnp.all(jnp.stack(new_finite)) if new_finite else finite
-        # Judging the new state before the select would hold the old and the new state at once
-        # (one more copy of parameters and optimizer state at the peak). So the check above only
-        # reduces, and the update that is kept is computed again behind a barrier (no CSE with the
-        # checked one): the optimizer's elementwise pass runs twice, the state is not copied.
-        state, grads, fp8_new, finite = jax.lax.optimization_barrier((state, grads, fp8_new, finite))
-        params, opt_state, fp8 = update(state, grads, fp8_new)
+        if cfg.optim.name == "adamw":
+            # Judging the new state before the select would hold the old and the new state at
+            # once (one more copy of parameters and optimizer state at the peak). So the check
+            # only reduces, and the update that is kept is computed again behind a barrier (no CSE
+            # with the checked one): AdamW's elementwise pass runs twice, the state is not copied.
+            finite = finite & all_finite(update(state, grads, fp8_new))
+            state, grads, fp8_new, finite = jax.lax.optimization_barrier((state, grads, fp8_new, finite))
+            params, opt_state, fp8 = update(state, grads, fp8_new)
+        else:
+            # Muon's update is matmuls (Newton-Schulz), not one elementwise pass: computed once.
+            # Its momentum and orthogonalised update are materialised anyway; the new parameters
+            # are judged by a reduction that fuses with their elementwise sum.
+            params, opt_state, fp8 = update(state, grads, fp8_new)
+            finite = finite & all_finite((params, opt_state, fp8))
         # "loss" is the cross-entropy, comparable across dense and MoE runs; the router losses
         # that training also minimises are reported per layer beside it. "lr" is read at the
         # optimizer's own count, the one this update used: after skipped steps it trails state.step.
