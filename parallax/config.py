@@ -397,6 +397,15 @@ def check_optim(cfg: Config) -> None:
     _one_of("optim.mu_dtype", o.mu_dtype, MU_DTYPES)
 
 
+def logs_at(t: TrainConfig, done: typing.Any) -> typing.Any:
+    """Whether step `done` (1-based: the count after the step) is one the loop writes a record for
+    by schedule: every train.log_every, the evaluations, the last. On Python ints (loop.py) and on
+    traced arrays (train_step.py asks FP8 for its telemetry on exactly these steps). The loop also
+    writes a --stop-at step and a non-finite step: their records carry no FP8 telemetry."""
+    evals = (done % t.eval_every == 0) if t.eval_every > 0 else False
+    return (done % t.log_every == 0) | (done == t.steps) | evals
+
+
 def chunk_length(chunk: int, seq_len: int) -> int:
     """Positions of T per chunk for parallel.loss_chunk and parallel.attention_chunk: `chunk`, or
     all T (one chunk) when it is 0 or >= T. parallelism.RULES checks that it divides T."""

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from parallax import parallelism
 from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from parallax.model.fp8 import FP8_COLLECTION, Fp8DotGeneral, fp8_metrics, fp8_variables, overwrite
+from parallax.model.fp8 import FP8_COLLECTION, NO_TELEMETRY, Fp8DotGeneral, fp8_metrics, fp8_variables, overwrite
 from parallax.parallel.mesh import available_devices, make_mesh
 from parallax.cli import main
 from parallax.train.train_state import init_state, make_layout
@@ -386,6 +386,42 @@ def test_train_step_updates_the_fp8_state_and_reports_telemetry(runs):
     # The optimizer never sees the FP8 state: its moments mirror the parameters only.
     opt_leaves = {x.shape for x in jax.tree.leaves(one["state"].opt_state)}
     assert (2, 8) not in opt_leaves
+
+
+def test_telemetry_only_on_the_steps_that_log_it():
+    """train.log_every=2 (config.logs_at): steps 1 and 3 skip the saturation/flush reductions
+    (NaN in their metrics, NO_TELEMETRY in the state), step 2 computes them, equal to an every-step
+    run's; the scales and amax histories, the parameters and the loss never depend on it."""
+    every = dataclasses.replace(TINY, mesh=MeshConfig(data=1), train=dataclasses.replace(TINY.train, log_every=1))
+    gated = dataclasses.replace(every, train=dataclasses.replace(every.train, log_every=2))
+    runs = {}
+    for name, cfg in (("every", every), ("gated", gated)):
+        mesh = make_mesh(cfg.mesh, available_devices(1))
+        layout = make_layout(cfg, mesh)
+        state = init_state(cfg, layout)
+        rows = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
+        batch = jax.device_put({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, batch_sharding(mesh))
+        step, metrics = make_train_step(cfg, layout), []
+        for _ in range(3):
+            state, m = step(state, batch)
+            metrics.append(jax.tree.map(float, m))
+        runs[name] = state, metrics
+    (s_every, m_every), (s_gated, m_gated) = runs["every"], runs["gated"]
+    for kind in ("inputs", "weights", "gradients"):
+        for stat in ("saturated", "flushed"):
+            key = f"fp8_{kind}_{stat}"
+            assert np.isnan(m_gated[0][key]) and np.isnan(m_gated[2][key]), key
+            assert m_gated[1][key] == m_every[1][key], key
+        assert m_gated[0][f"fp8_{kind}_scale_max"] == m_every[0][f"fp8_{kind}_scale_max"]  # every step
+    assert [m["loss"] for m in m_gated] == [m["loss"] for m in m_every]
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(s_gated.fp8), jax.tree.leaves(s_every.fp8)):
+        name = jax.tree_util.keystr(path)
+        if name.endswith("_stats']"):
+            assert np.all(np.asarray(x) == NO_TELEMETRY), name  # step 3 did not log
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=name)
+    for x, y in zip(jax.tree.leaves(s_gated.params), jax.tree.leaves(s_every.params)):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_model_wiring_embedding_never_fp8_logits_only_when_asked():

@@ -18,7 +18,7 @@ scale, and a non-finite amax enters the history as 0 (otherwise one inf would pi
 
 State. Per dot and per tensor (input, kernel, output_grad): `{t}_scale` [1], `{t}_amax_history`
 [H], `{t}_stats` [2] (this step's fraction saturated at the FP8 max, fraction of nonzeros flushed
-to zero), in the `fp8_meta` collection; under the model's `nn.scan` each gets a leading layers
+to zero; NO_TELEMETRY on a step that does not log them: request_telemetry), in the `fp8_meta` collection; under the model's `nn.scan` each gets a leading layers
 axis. The state is part of TrainState, replicated, and never reaches the optimizer.
 
 How the state is updated: the gradient is the new value. The forward amaxes could be written with
@@ -61,6 +61,7 @@ from jax import lax
 
 from parallax.config import Fp8Config
 from parallax.model.layers import ParamUse, dot_grad_lhs, dot_grad_rhs, match_varying
+from parallax.model.logical import vary, varying_axes
 
 FP8_COLLECTION = "fp8_meta"
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -123,23 +124,39 @@ def _reduce(x: jax.Array, axes: tuple[str, ...], op: Any) -> jax.Array:
     return op(x, axes) if axes else x
 
 
+NO_TELEMETRY = -1.0  # a `{t}_stats` value: not computed this step (request_telemetry), reported as NaN
+
+
+def _telemetry(x: jax.Array, scale: jax.Array, qdtype: Any, st: _Static) -> jax.Array:
+    """[fraction saturated at the FP8 max, fraction of nonzeros flushed to zero] of x / scale: at
+    most half the smallest subnormal rounds (to nearest even) to 0."""
+    x32 = x.astype(jnp.float32)
+    mag = jnp.abs(x32 / jnp.broadcast_to(scale, x32.shape))
+    saturated = jnp.mean((mag >= overflow_threshold(qdtype)).astype(jnp.float32))
+    tiny = float(jnp.finfo(qdtype).smallest_subnormal) / 2
+    flushed = jnp.mean(((mag <= tiny) & (x32 != 0)).astype(jnp.float32))
+    return _reduce(jnp.stack([saturated, flushed]), st.amax_axes, lax.pmean)
+
+
 def quantize(x: jax.Array, meta: tuple, qdtype: Any, st: _Static) -> tuple[jax.Array, tuple]:
-    """x -> (FP8 x, new (scale, history, stats)). `meta` may be float32 or fm32."""
-    scale, history, _ = (_as_f32(m) for m in meta)
+    """x -> (FP8 x, new (scale, history, stats)). `meta` may be float32 or fm32. The incoming
+    stats ask for this step's telemetry (anything >= 0) or not (NO_TELEMETRY: request_telemetry):
+    two more reductions over the tensor, measured at 11% of the emulated FP8 step on CPU, run
+    only on the steps that log them."""
+    scale, history, stats = (_as_f32(m) for m in meta)
     dmax = fp8_max(qdtype)
     x32 = x.astype(jnp.float32)
     amax = _reduce(jnp.max(jnp.abs(x32)), st.amax_axes, lax.pmax)  # the whole tensor's amax
     basis = jnp.max(history, axis=0) if st.recipe == "delayed" else amax
     new_scale = compute_scale(basis, scale, dmax, st.margin)
-    scaled = x32 / jnp.broadcast_to(new_scale, x32.shape)
-    q = jnp.clip(scaled, -dmax, dmax).astype(qdtype)
-    # Telemetry from the scaled values (no second cast): saturated at the FP8 max, and nonzeros
-    # flushed to zero (at most half the smallest subnormal: round-to-nearest-even gives 0).
-    mag = jnp.abs(scaled)
-    saturated = jnp.mean((mag >= overflow_threshold(qdtype)).astype(jnp.float32))
-    tiny = float(jnp.finfo(qdtype).smallest_subnormal) / 2
-    flushed = jnp.mean(((mag <= tiny) & (x32 != 0)).astype(jnp.float32))
-    stats = _reduce(jnp.stack([saturated, flushed]), st.amax_axes, lax.pmean)
+    q = jnp.clip(x32 / jnp.broadcast_to(new_scale, x32.shape), -dmax, dmax).astype(qdtype)
+    # x, not x32, enters the branch: a float32 copy as the conditional's operand would be one
+    # more buffer of the tensor on every step
+    # (inside shard_map both branches must vary over the same manual axes: the telemetry's mean
+    # varies as x and the scale do, but over amax_axes, which its pmean reduces)
+    skip_axes = sorted((varying_axes(x) | varying_axes(new_scale)) - set(st.amax_axes))
+    stats = lax.cond(stats[0] >= 0, lambda: _telemetry(x, new_scale, qdtype, st),
+                     lambda: vary(jnp.full((2,), NO_TELEMETRY, jnp.float32), skip_axes))
     return q, (new_scale, push_history(history, amax), stats)
 
 
@@ -286,9 +303,21 @@ def overwrite(old: Any, new: Any) -> Any:
     return traverse_util.unflatten_dict(out)
 
 
+def request_telemetry(fp8: Any, wanted: jax.Array) -> Any:
+    """The state with every `{t}_stats` set to ask for this step's saturation and flush fractions
+    (`wanted`, a traced bool: 0) or not (NO_TELEMETRY); quantize reads it."""
+    if not fp8:
+        return fp8
+    flat = traverse_util.flatten_dict(fp8)
+    ask = jnp.where(wanted, 0.0, NO_TELEMETRY)
+    return traverse_util.unflatten_dict({path: jnp.broadcast_to(ask, v.shape).astype(v.dtype)
+                                         if path[-1].endswith("_stats") else v for path, v in flat.items()})
+
+
 def fp8_metrics(fp8: Any) -> dict[str, jax.Array]:
     """Per tensor kind (inputs, weights, gradients), over every FP8 dot and layer: the largest
-    fraction saturated and flushed to zero of any one tensor this step, and the scales' range."""
+    fraction saturated and flushed to zero of any one tensor this step (NaN on a step that did not
+    compute them: request_telemetry), and the scales' range (read from the state: every step)."""
     if not fp8:
         return {}
     groups: dict[tuple[str, str], list[jax.Array]] = {}
@@ -301,8 +330,9 @@ def fp8_metrics(fp8: Any) -> dict[str, jax.Array]:
     for kind in TENSORS.values():
         scales = jnp.concatenate([x.reshape(-1) for x in groups[(kind, "scale")]])
         stats = jnp.concatenate([x.reshape(-1, 2) for x in groups[(kind, "stats")]])
-        out[f"fp8_{kind}_saturated"] = jnp.max(stats[:, 0])
-        out[f"fp8_{kind}_flushed"] = jnp.max(stats[:, 1])
+        for i, name in enumerate(("saturated", "flushed")):
+            worst = jnp.max(stats[:, i])
+            out[f"fp8_{kind}_{name}"] = jnp.where(worst < 0, jnp.nan, worst)
         out[f"fp8_{kind}_scale_min"] = jnp.min(scales)
         out[f"fp8_{kind}_scale_max"] = jnp.max(scales)
     return out

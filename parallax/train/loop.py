@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parallax.config import Config, UserError, flatten
+from parallax.config import Config, UserError, flatten, logs_at
 from parallax.train.distributed import StopSignals, WorkdirLock
 
 RUN_FILE = "run.json"  # the config a workdir's run started with: a rerun before any checkpoint is that run again
@@ -335,7 +335,8 @@ class StepRecord:
             record["bubble_fraction"] = self.bubble
         if self.fp8:  # MFU against the FP8 peak as well, and FP8 numerics per tensor kind
             record["mfu_fp8"] = mfu(self.flops_per_step, dt, self.n_dev, self.peak_fp8)
-            record.update({k: v for k, v in metrics.items() if k.startswith("fp8_")})
+            # the saturation/flush fractions are NaN on a step that did not compute them (config.logs_at)
+            record.update({k: v for k, v in metrics.items() if k.startswith("fp8_") and v == v})
         record.update({k: v for k, v in metrics.items() if k.startswith("moe_")})  # routing, per MoE layer
         if self.noise is not None:  # B_simple in sequences (null until defined); a skipped step does not feed it
             small, big = metrics["grad_sq_small"], metrics["grad_sq_big"]
@@ -437,7 +438,7 @@ class _Training:
             record["eval_loss"] = self.evaluate()
             self.events.write("eval", step=done, dt=time.perf_counter() - t0)
         record["goodput"] = self.events.summary().fraction  # of the wall time so far, every session
-        if done % t.log_every == 0 or done in (t.steps, end) or "eval_loss" in record or self.bad_run:
+        if logs_at(t, done) or done == end or self.bad_run:
             try:
                 writer.write(record)
             except MetricsError as e:  # a full disk, say: save first, then one line

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallax.config import Config
+from parallax.config import Config, logs_at
 from parallax.model.transformer import moe_loss
-from parallax.model.fp8 import FP8_COLLECTION, fp8_metrics, fp8_variables, overwrite
+from parallax.model.fp8 import FP8_COLLECTION, fp8_metrics, fp8_variables, overwrite, request_telemetry
 from parallax.train.optim import applied_count, make_lr_schedule
 from parallax.parallelism import reduces_once
 from parallax.parallel.sharding import BATCH_AXES, logical_context
@@ -257,7 +257,9 @@ def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch]
         return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        (loss, (ce, stats)), (grads, fp8_new), *norms = value_and_grad(state.params, batch, state.fp8)
+        # FP8's saturation and flush telemetry only on the steps the loop logs (fp8.quantize)
+        fp8_in = request_telemetry(state.fp8, logs_at(cfg.train, state.step + 1))
+        (loss, (ce, stats)), (grads, fp8_new), *norms = value_and_grad(state.params, batch, fp8_in)
         grad_norm = optax.tree.norm(grads)
         # NaN/inf guard: a non-finite loss or gradient, or an update that would leave a non-finite
         # parameter, optimizer or FP8 value (an overflowing learning rate or Adam moment with a
@@ -303,7 +305,7 @@ def make_eval_step(layout: Layout) -> Callable[[Any, Batch, Any], jax.Array]:
     """Jitted (params, batch, fp8 state) -> cross-entropy; the FP8 state is read, not updated."""
     loss_fn = make_loss_fn(layout)
     fn = jax.jit(
-        lambda params, batch, fp8: loss_fn(params, batch, fp8)[1][0],
+        lambda params, batch, fp8: loss_fn(params, batch, request_telemetry(fp8, False))[1][0],
         in_shardings=(layout.param_shardings, batch_sharding(layout.mesh), layout.state_shardings.fp8),
         out_shardings=NamedSharding(layout.mesh, P()),
     )
