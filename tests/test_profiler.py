@@ -13,13 +13,9 @@ import pytest
 from parallax.cli import main
 from parallax.train.profiler import KINDS, _kind, summarize
 
-REPO = Path(__file__).resolve().parents[1]
-QUICKSTART = REPO / "experiments" / "quickstart.py"
-TINY = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
-    "train.seq_len=16", "train.global_batch=8", "train.steps=4", "train.log_every=1",
-    "train.eval_every=0", "checkpoint.every=2",
-]
+from test_cli import QUICKSTART, REPO, TINY as CLI_TINY
+
+TINY = [*CLI_TINY, "train.steps=4", "train.log_every=1", "train.eval_every=0", "checkpoint.every=2"]
 
 
 def _argv(wd: Path, *extra: str) -> list[str]:

@@ -15,13 +15,9 @@ import pytest
 
 from parallax.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
-QUICKSTART = REPO / "experiments" / "quickstart.py"
-TINY = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
-    "train.seq_len=16", "train.global_batch=8", "train.steps=3", "train.log_every=1",
-    "train.eval_every=0", "checkpoint.every=2",
-]
+from test_cli import QUICKSTART, REPO, TINY as CLI_TINY
+
+TINY = [*CLI_TINY, "train.steps=3", "train.log_every=1", "train.eval_every=0", "checkpoint.every=2"]
 # Run in the child: the import blocked (as if wandb were not installed) when BLOCK_WANDB is set,
 # and whether JAX was imported by the time main returned.
 CHILD = """
