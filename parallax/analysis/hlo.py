@@ -291,10 +291,30 @@ def groups_to_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple
     return tuple(a for a in names if a in varying)
 
 
+_FUSED_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = (.+?) fusion\(.*kind=kCustom, calls=%(all-reduce-scatter[^,\s]*)")
+
+
+def _reduce_scatter_fusions(comps: dict[str, list[str]]) -> dict[str, tuple[str, str]]:
+    """XLA:TPU's reduce-scatters: a `kCustom` fusion calling an `all-reduce-scatter` computation,
+    whose all-reduce of the whole operand is cut to this device's shard inside the fusion (one
+    collective on the wire: a reduce-scatter). -> {fused computation: (the fusion's result shape,
+    its line)}."""
+    out = {}
+    for lines in comps.values():
+        for line in lines:
+            m = _FUSED_COLLECTIVE.match(line)
+            if m:
+                out[m.group(2)] = (m.group(1), line)
+    return out
+
+
 def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
-    """Every collective in optimized HLO text, with its mesh axes and per-step executions."""
+    """Every collective in optimized HLO text, with its mesh axes and per-step executions. An
+    all-reduce inside XLA:TPU's all-reduce-scatter fusion is the reduce-scatter it implements:
+    its bytes are the fusion's result (the shard), its op name the fusion's."""
     comps = _split_computations(hlo)
     runs, branched = _executions(comps)
+    scatters = _reduce_scatter_fusions(comps)
     found = []
     for comp, lines in comps.items():
         for line in lines:
@@ -308,6 +328,9 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
             if start:  # async start returns (operands, results): count the results only
                 nbytes //= 2
             op = re.search(r'op_name="([^"]*)"', line)
+            if kind == "all-reduce" and comp in scatters:
+                shard, caller = scatters[comp]
+                kind, nbytes, op = "reduce-scatter", _shape_bytes(shard), re.search(r'op_name="([^"]*)"', caller)
             found.append(Collective(
                 kind, name, comp, axes, nbytes, runs.get(comp, 1), runs.get(comp, 1) > 1, op.group(1) if op else "",
                 comp in branched,
