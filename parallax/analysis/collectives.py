@@ -361,15 +361,16 @@ def _zero_gather_terms(s: Dims, out: _Terms) -> None:
     before use; matmul weights are cast on their shard and gathered in the compute dtype
     (layers.param_matmul -> logical.constrain_param; Dims.c: XLA:CPU promotes bfloat16 collectives to
     float32), norm scales and the router stay float32; the `none` policy keeps the gathered
-    weights for the backward pass, a remat policy gathers them again (transformer.remat_policy).
-    Pipelined ZeRO-3: pipeline.run_pipeline's `gather_zero3`, once per step, in float32."""
+    weights for the backward pass on XLA:CPU, a remat policy gathers them again
+    (transformer.remat_policy), and so does XLA:TPU without one (compiled for v5e-8: the layer
+    gathers twice per step at remat none; the accelerator model follows the TPU). Pipelined ZeRO-3: pipeline.run_pipeline's `gather_zero3`, once per step, in float32."""
     on_data, z1, z3, piped = s.d > 1, s.zero == 1, s.zero == 3, s.piped
     n_outer = s.outer_arrays
     out.add(("data",), "all-gather", "ZeRO-1: updated parameters", 4 * s.params_t / (s.unit_arrays + n_outer),
             s.unit_arrays + n_outer, on_data & z1, "exposed", None, s.d)
     fp32_unit = s.unit_norms + s.router
     unit_gather = s.c * (s.unit_t - fp32_unit) + 4 * fp32_unit
-    regather = np.where(s.remat == NONE, 1, 2)
+    regather = np.where((s.remat == NONE) & s.cpu, 1, 2)  # XLA:TPU gathers again even without remat
     out.add(("data",), "all-gather", LAYER_GATHERS, unit_gather / s.unit_arrays,
             s.unit_arrays * s.U * regather, on_data & z3 & ~piped, "compute", None, s.d)
     out.add(("data",), "all-gather", "ZeRO-3: stage weights (once per step)", 4 * s.Ldev * s.layer_t / s.unit_arrays,

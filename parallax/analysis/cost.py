@@ -348,9 +348,11 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
         # the peak (d8_full_bf16 of tests/test_cost_validation.py: +24 KiB = 2 x [B, T, D] f32).
         # On accelerators the scatter runs at the end of the backward pass, after the peak.
         logits = logits + head_tok * vocab_t * 4 + s.tok * D * 4
-    # ZeRO-3 with the `none` policy keeps every gathered layer for the backward pass (see above).
-    # (in the compute dtype: the matmul weights are cast before their gather, constrain_param)
-    gathered = np.where((s.zero == 3) & (s.remat == NONE) & ~s.piped, c * s.L * s.layer_t, 0)
+    # ZeRO-3 with the `none` policy keeps every gathered layer for the backward pass on XLA:CPU
+    # (see above; in the compute dtype: the matmul weights are cast before their gather,
+    # constrain_param); XLA:TPU gathers them again in the backward pass instead (compiled for
+    # v5e-8: twice the gathers, collectives._zero_gather_terms), so holds none of them
+    gathered = np.where((s.zero == 3) & (s.remat == NONE) & ~s.piped & s.cpu, c * s.L * s.layer_t, 0)
     gathered = gathered + np.where((s.zero == 3) & s.piped, 4 * s.params_t, 0)
     # ... and outside a pipeline one unit's full-size expert-weight gradient before and after
     # its all-reduce, plus (remat) the unit's experts gathered again. Dense weights do the same,
