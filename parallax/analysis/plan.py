@@ -473,13 +473,13 @@ def plan_command(args: argparse.Namespace) -> int:
     for line in notes:
         print(f"note: {line}")
     head = f"{'#':>2} {'data':>5} {'tensor':>6} {'seq':>3} {'pipe':>4} {'expert':>6} {'zero':>4} {'micro':>5} {'schedule':>10} " \
-           f"{'remat':>5} {'GiB':>6} {'step s':>8} {'bubble':>6} {'MFU':>6}"
+           f"{'remat':>21} {'GiB':>6} {'step s':>8} {'bubble':>6} {'MFU':>6}"
     print(head)
     for i, r in enumerate(result.layouts, 1):
         sched = r["schedule"] + (f"x{r['repeats']}" if r["repeats"] > 1 else "")
         seq = "SP" if r["sequence_parallel"] else "-"
         print(f"{i:>2} {r['data']:>5} {r['tensor']:>6} {seq:>3} {r['pipe']:>4} {r['expert']:>6} {r['zero']:>4} "
-              f"{r['microbatches']:>5} {sched:>10} {r['remat']:>5} {r['memory_gib']:>6.1f} {r['step_time_s']:>8.3f} "
+              f"{r['microbatches']:>5} {sched:>10} {r['remat']:>21} {r['memory_gib']:>6.1f} {r['step_time_s']:>8.3f} "
               f"{r['bubble']:>6.1%} {r['mfu']:>6.1%}")
     print(explain(result.layouts[0], dev, per_host, args.devices))
     return 0
