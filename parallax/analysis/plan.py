@@ -391,6 +391,53 @@ def explain(row: dict, dev: Device, per_host: int, n: int) -> str:
             f"predicted MFU {row['mfu']:.1%}.")
 
 
+def layout_config(cfg: Config, row: dict) -> Config:
+    """`cfg` laid out as one planner row: its mesh sizes and parallel settings."""
+    mesh = dataclasses.replace(cfg.mesh, **{k: row[k] for k in ("data", "tensor", "pipe", "expert")})
+    parallel = dataclasses.replace(cfg.parallel, zero=row["zero"], microbatches=row["microbatches"],
+                                   schedule=row["schedule"], repeats=row["repeats"], remat=row["remat"],
+                                   sequence_parallel=row["sequence_parallel"])
+    return dataclasses.replace(cfg, mesh=mesh, parallel=parallel)
+
+
+def verify(cfg: Config, layouts: list[dict], target: str, dev: Device) -> list[dict]:
+    """Compile each layout's train step for `target` (audit.audit: the target's own compiler,
+    nothing run) and set what the compiler holds beside what the planner predicted: peak memory
+    per device and collective bytes per step per axis family. `fits`: the compiled peak within
+    the usable memory the planner allows (a layout that does not is dropped by the caller);
+    `refused`: the line a layout's rules or the target gave instead of a compile."""
+    from parallax.analysis.audit import audit
+
+    limit = dev.hbm_bytes * USABLE_MEMORY
+    out = []
+    for row in layouts:
+        try:
+            a = audit(layout_config(cfg, row), target=target)
+        except UserError as e:
+            out.append({"refused": str(e), "fits": False})
+            continue
+        xla = a["memory"]["xla"]
+        peak = xla["peak"] if xla else None
+        out.append({
+            "compiled_gib": None if peak is None else peak / GiB, "planned_gib": row["memory_gib"],
+            "fits": peak is None or peak <= limit, "compile_s": a["compile_s"],
+            "axes": {axis: {"compiled_mib": f["bytes"] / 2**20, "model_mib": f["model_bytes"] / 2**20}
+                     for axis, f in a["axes"].items()},
+        })
+    return out
+
+
+def _verified_text(i: int, v: dict, limit_gib: float) -> str:
+    if "refused" in v:
+        return f"#{i}: not compiled: {v['refused']}"
+    mem = ("the compiler gives no memory analysis" if v["compiled_gib"] is None else
+           f"compiled {v['compiled_gib']:.2f} GiB (planned {v['planned_gib']:.2f}, "
+           f"{v['planned_gib'] / v['compiled_gib'] - 1:+.0%})")
+    axes = ", ".join(f"{k} {a['compiled_mib']:.1f} MiB (planned {a['model_mib']:.1f})" for k, a in v["axes"].items())
+    verdict = "" if v["fits"] else f"; does not fit: more than {limit_gib:.1f} GiB usable, dropped"
+    return f"#{i}: {mem}; collectives per step {axes}; compile {v['compile_s']:.0f} s{verdict}"
+
+
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="search layouts for a model on N devices (cost model)")
     p.add_argument("experiment", nargs="?", help="an experiment file defining get_config()")
@@ -408,6 +455,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noise-scale-from", metavar="WORKDIR", help="the last noise_scale in WORKDIR/metrics.jsonl")
     p.add_argument("--top", type=int, default=5, help="layouts to show")
     p.add_argument("--json", action="store_true", help='print {"layouts": [...]} best first')
+    p.add_argument("--verify", type=int, metavar="K",
+                   help="compile the best K layouts for --target (nothing runs) and print compiled against planned "
+                        "memory and collective bytes; a layout the compiler says does not fit is dropped")
 
 
 def _target_devices(args: argparse.Namespace) -> tuple[int, Device, int | None]:
@@ -434,6 +484,9 @@ def _target_devices(args: argparse.Namespace) -> tuple[int, Device, int | None]:
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    if args.verify is not None and (args.verify <= 0 or getattr(args, "target", None) is None):
+        raise UserError(f"--verify {args.verify}: " + ("must be positive" if args.verify <= 0 else
+                        "needs --target NAME (the compiler to verify with, e.g. v5e-8, v5p-32)"))
     args.devices, dev, domain = _target_devices(args)
     if args.devices <= 0:
         raise UserError(f"--devices: must be positive, got {args.devices}")
@@ -451,7 +504,7 @@ def plan_command(args: argparse.Namespace) -> int:
         if msg:
             notes.append(msg)
             w = dataclasses.replace(w, global_batch=batch)
-    result = search(w, args.devices, dev, per_host, args.attention, cfg.fp8.enabled, max(args.top, 1))
+    result = search(w, args.devices, dev, per_host, args.attention, cfg.fp8.enabled, max(args.top, args.verify or 1))
     if result.searched == 0:
         raise UserError(_no_factorization(w, args.devices))
     if not result.layouts:
@@ -461,8 +514,16 @@ def plan_command(args: argparse.Namespace) -> int:
             f"no layout of {cfg.name} fits {dev.name} memory on {args.devices} devices (the leanest needs "
             f"{least / GiB:.1f} GiB of {dev.hbm_bytes * USABLE_MEMORY / GiB:.1f} usable); "
             + (f"the smallest device count that fits is {more}" if more else "no device count up to 4M fits"))
+    checked, dropped = [], []
+    if args.verify:
+        w_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=w.global_batch))
+        checked = verify(w_cfg, result.layouts[:args.verify], args.target, dev)
+        for row, v in zip(result.layouts, checked):
+            row["verified"] = v
+        dropped = [r for r in result.layouts[:args.verify] if not r["verified"]["fits"]]
     if args.json:
-        print(json.dumps({"layouts": result.layouts, "searched": result.searched, "fitting": result.fitting,
+        print(json.dumps({"layouts": [r for r in result.layouts if r not in dropped], "dropped": dropped,
+                          "searched": result.searched, "fitting": result.fitting,
                           "search_s": round(result.seconds, 3), "notes": notes}))
         return 0
     n_params = sum(v for k, v in _param_counts(cfg.model).items() if k != "total")
@@ -481,7 +542,15 @@ def plan_command(args: argparse.Namespace) -> int:
         print(f"{i:>2} {r['data']:>5} {r['tensor']:>6} {seq:>3} {r['pipe']:>4} {r['expert']:>6} {r['zero']:>4} "
               f"{r['microbatches']:>5} {sched:>10} {r['remat']:>21} {r['memory_gib']:>6.1f} {r['step_time_s']:>8.3f} "
               f"{r['bubble']:>6.1%} {r['mfu']:>6.1%}")
-    print(explain(result.layouts[0], dev, per_host, args.devices))
+    if checked:
+        print(f"verified on {args.target} (compiled by its compiler, not run):")
+        for i, v in enumerate(checked, 1):
+            print("  " + _verified_text(i, v, dev.hbm_bytes * USABLE_MEMORY / GiB))
+    kept = [r for r in result.layouts if r not in dropped]
+    if not kept:
+        raise UserError(f"plan: the compiler for {args.target} says none of the {len(checked)} verified layouts of "
+                        f"{cfg.name} fits ({dev.hbm_bytes * USABLE_MEMORY / GiB:.1f} GiB usable); see the table above")
+    print(explain(kept[0], dev, per_host, args.devices))
     return 0
 
 
