@@ -138,6 +138,10 @@ class DataConfig:
     source: str = "stdlib"  # "stdlib" or a path to a flat binary token file
     token_dtype: str = "uint16"  # uint16 | uint32, for token files
     val_fraction: float = 0.05  # token files: the last fraction of tokens is validation
+    # Packed documents (data.py): >= 0 turns document separation on. Token files: every occurrence
+    # of this id ends a document. The built-in corpus: must be 0, the NUL byte appended after each
+    # source file (no Python source holds one). -1: no boundaries, one token stream (as before).
+    eod_id: int = -1
 
 
 @dataclass(frozen=True)
@@ -323,6 +327,7 @@ FIELD_RANGES: dict[str, tuple] = {
     "optim.decay_fraction": (0.0, 1.0, True, False),
     "optim.muon_beta": _UNIT_OPEN_1, "optim.muon_ns_steps": _SIZE, "optim.muon_rms": _POS,
     "data.val_fraction": (0.0, 1.0, True, True),
+    "data.eod_id": (-1, 2**32 - 1, False, False),
     **{f"train.{k}": _SIZE for k in ("steps", "global_batch", "seq_len", "eval_batches", "log_every", "max_bad_steps",
                                      "grad_accum")},
     "train.lr": _POS, "train.seed": (0, INT64, False, False),
@@ -369,6 +374,12 @@ def check_data(cfg: Config) -> None:
         raise ConfigError(f"data.token_dtype: must be 'uint16' or 'uint32', got {cfg.data.token_dtype!r}")
     if cfg.data.source == "stdlib" and cfg.model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} must be >= 256 for data.source='stdlib' (bytes)")
+    eod = cfg.data.eod_id
+    if eod >= cfg.model.vocab_size:
+        raise ConfigError(f"data.eod_id={eod} must be < model.vocab_size={cfg.model.vocab_size} (or -1: no documents)")
+    if cfg.data.source == "stdlib" and eod not in (-1, 0):
+        raise ConfigError(f"data.eod_id={eod}: the built-in corpus 'stdlib' marks documents with byte 0 "
+                          "(data.eod_id=0) or not at all (-1)")
 
 
 OPTIMIZERS = ("adamw", "muon")  # optim.name

@@ -321,6 +321,20 @@ RULES: tuple[Rule, ...] = (
     Rule("noise_fp8", lambda v: np.asarray(not (v.cfg.train.noise_scale and v.cfg.fp8.enabled)),
          lambda v: "train.noise_scale: not with fp8.enabled (per-shard gradients would quantise with per-shard "
                    "amaxes)", layout=False),
+    # Packed documents (data.eod_id >= 0): the masked loss is a mean over the whole batch's kept
+    # tokens; the pipeline's microbatches, grad_accum's microsteps and the noise scale's shards
+    # take a mean of means (equal only when every part keeps as many tokens), and the pipeline
+    # stages do not carry the segment ids and positions yet.
+    Rule("packed_pipe", lambda v: (v.cfg.data.eod_id < 0) | ~v.piped,
+         lambda v: f"data.eod_id={v.cfg.data.eod_id} (packed documents): not with pipelining (mesh.pipe={v.pipe}, "
+                   f"parallel.microbatches={v.microbatches}) yet; use mesh.pipe=1 and parallel.microbatches=1, "
+                   "or data.eod_id=-1"),
+    Rule("packed_accum", lambda v: np.asarray(v.cfg.data.eod_id < 0 or v.cfg.train.grad_accum == 1),
+         lambda v: f"data.eod_id={v.cfg.data.eod_id} (packed documents): not with train.grad_accum="
+                   f"{v.cfg.train.grad_accum} yet; use train.grad_accum=1 or data.eod_id=-1", layout=False),
+    Rule("packed_noise", lambda v: np.asarray(v.cfg.data.eod_id < 0 or not v.cfg.train.noise_scale),
+         lambda v: f"data.eod_id={v.cfg.data.eod_id} (packed documents): not with train.noise_scale yet; "
+                   "use data.eod_id=-1", layout=False),
     # sequence parallelism shards the residual stream's T over `tensor` (a no-op at tensor=1)
     Rule("sequence", lambda v: (v.sequence == 0) | (v.tensor == 1) | (v.cfg.train.seq_len % v.tensor == 0),
          lambda v: f"parallel.sequence_parallel: train.seq_len={v.cfg.train.seq_len} must be divisible by "

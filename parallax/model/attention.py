@@ -25,33 +25,48 @@ from parallax.model.layers import Dense, DotGeneralFactory
 from parallax.model.logical import ATTN_OUT, ParamPlacer, constrain
 
 
-def apply_rope(x: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding on [B, T, N, H] (rotate-half convention), positions 0..T-1."""
+def apply_rope(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding on [B, T, N, H] (rotate-half convention), positions 0..T-1, or
+    `positions` [B, T] (packed documents: restarting at each document)."""
     _, t, _, h = x.shape
     freqs = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]  # [T, H/2]
-    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    if positions is None:
+        angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]  # [T, H/2]
+        sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    else:
+        angles = positions.astype(jnp.float32)[..., None] * freqs  # [B, T, H/2]
+        sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int = 0) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int = 0,
+                     segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention: q [B, T, N, H], k and v [B, T, K, H] -> [B, T, N, H].
-    `chunk`: query positions per block (0, or >= T: all at once)."""
+    `chunk`: query positions per block (0, or >= T: all at once). `segment_ids` [B, T] (packed
+    documents): a query sees only the keys of its own segment (causal within a document, never
+    across); None: one sequence per row (the program as without packing)."""
     b, t, n, h = q.shape
     chunk = chunk_length(chunk, t)
     if chunk == t:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        if segment_ids is None:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
+        mask = same & jnp.tril(jnp.ones((t, t), bool))[None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
     keys = jnp.arange(t)
 
     @jax.checkpoint  # keep only the block's inputs: its scores are recomputed in the backward pass
-    def block(qi: jax.Array, i: jax.Array) -> jax.Array:  # [B, C, N, H], block index
-        mask = (i * chunk + jnp.arange(chunk))[:, None] >= keys[None, :]  # [C, T]: query row >= key
-        return jax.nn.dot_product_attention(qi, k, v, mask=mask[None, None])
+    def block(qi: jax.Array, i: jax.Array, si: jax.Array | None) -> jax.Array:  # [B, C, N, H], index, [B, C]
+        mask = ((i * chunk + jnp.arange(chunk))[:, None] >= keys[None, :])[None]  # [1, C, T]: query row >= key
+        if si is not None:
+            mask = mask & (si[:, :, None] == segment_ids[:, None, :])  # [B, C, T]
+        return jax.nn.dot_product_attention(qi, k, v, mask=mask[:, None])
 
     blocks = q.reshape(b, t // chunk, chunk, n, h).swapaxes(0, 1)  # [T/C, B, C, N, H]
-    out = jax.lax.map(lambda a: block(*a), (blocks, jnp.arange(t // chunk)))
+    seg_blocks = None if segment_ids is None else segment_ids.reshape(b, t // chunk, chunk).swapaxes(0, 1)
+    out = jax.lax.map(lambda a: block(*a), (blocks, jnp.arange(t // chunk), seg_blocks))
     return out.swapaxes(0, 1).reshape(b, t, n, h)
 
 
@@ -69,7 +84,9 @@ class Attention(nn.Module):
     chunk: int = 0  # query positions per attention block (parallel.attention_chunk); 0: all T
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """[B, T, D] -> [B, T, D]; packed documents: `segment_ids` and `positions` [B, T]."""
         d_model = x.shape[-1]
         n, k, h = self.n_heads, self.n_kv_heads, self.head_dim
 
@@ -86,11 +103,13 @@ class Attention(nn.Module):
         q = qkv[:, :, :, :g].reshape(b, t, n, h)  # [B, T, K, G, H] -> [B, T, N, H], head = k * G + g
         heads_names = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
         kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
-        q = constrain(apply_rope(q, self.rope_theta), heads_names)  # [B, T, N, H]
-        key = constrain(apply_rope(qkv[:, :, :, g], self.rope_theta), kv_names)  # [B, T, K, H]
+        q = constrain(apply_rope(q, self.rope_theta, positions), heads_names)  # [B, T, N, H]
+        key = constrain(apply_rope(qkv[:, :, :, g], self.rope_theta, positions), kv_names)  # [B, T, K, H]
         value = constrain(qkv[:, :, :, g + 1], kv_names)  # [B, T, K, H]
+        if segment_ids is not None:
+            segment_ids = constrain(segment_ids, ("activation_batch", "activation_length"))
         # Grouped-query attention: query head i reads kv head i // (N / K). Softmax in float32.
-        out = causal_attention(q, key, value, self.chunk)  # [B, T, N, H]
+        out = causal_attention(q, key, value, self.chunk, segment_ids)  # [B, T, N, H]
         out = constrain(out, heads_names)
         y = Dense(
             (d_model,), ("heads", "kv", "embed"), contract=2, init_std=self.out_std, dtype=self.dtype,

@@ -69,6 +69,9 @@ def remat_policy(name: str, pinned: bool = False) -> Callable | None:
 
 
 Stats = dict[str, jax.Array]  # per-layer MoE routing scalars ({} for a dense block)
+# Packed documents: (segment_ids, positions), [B, T] each (data.split_batch), or None for none;
+# broadcast to every block of the stack.
+Docs = tuple[jax.Array, jax.Array] | None
 
 
 class Block(nn.Module):
@@ -84,7 +87,7 @@ class Block(nn.Module):
     attention_chunk: int = 0  # query positions per attention block (attention.causal_attention)
 
     @nn.compact
-    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Stats]:
+    def __call__(self, x: jax.Array, docs: Docs = None) -> tuple[jax.Array, Stats]:
         c = self.cfg
         dtype = jnp.dtype(c.dtype)
         out_std = c.init_std / math.sqrt(2 * c.n_layers)  # GPT-2 style residual-branch scaling
@@ -92,7 +95,7 @@ class Block(nn.Module):
         x = x + Attention(
             c.n_heads, c.n_kv_heads, c.d_model // c.n_heads, c.rope_theta, c.init_std, out_std, dtype,
             self.dot_general, self.grad_dtype, self.placer, self.attention_chunk, name="attn",
-        )(h)
+        )(h, *(docs or ()))
         x = constrain(x, RESIDUAL)
         h = constrain(RMSNorm(c.norm_eps, dtype, self.placer, name="mlp_norm")(x), NORMED)  # MoE routes whole sequences
         moe = self.moe if self.moe is not None else bool(c.moe.num_experts) and c.moe.every == 1
@@ -119,12 +122,12 @@ class BlockGroup(nn.Module):
     attention_chunk: int = 0
 
     @nn.compact
-    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Stats]:
+    def __call__(self, x: jax.Array, docs: Docs = None) -> tuple[jax.Array, Stats]:
         kw = dict(grad_dtype=self.grad_dtype, placer=self.placer, exchange=self.exchange,
                   attention_chunk=self.attention_chunk)
         for i in range(self.cfg.moe.every - 1):
-            x, _ = Block(self.cfg, self.dot_general, moe=False, **kw, name=f"dense_{i}")(x)
-        return Block(self.cfg, self.dot_general, moe=True, **kw, name="moe_block")(x)
+            x, _ = Block(self.cfg, self.dot_general, moe=False, **kw, name=f"dense_{i}")(x, docs)
+        return Block(self.cfg, self.dot_general, moe=True, **kw, name="moe_block")(x, docs)
 
 
 def stack_unit(c: ModelConfig) -> type[nn.Module]:
@@ -166,6 +169,7 @@ class Transformer(nn.Module):
             block,
             variable_axes={"params": 0, FP8_COLLECTION: 0},  # FP8 scales/histories: one per layer
             split_rngs={"params": True},
+            in_axes=nn.broadcast,  # the packed documents (Docs), the same for every layer
             length=stack_length(c),
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(c, self.dot_general, grad_dtype=self.grad_dtype, placer=self.placer, exchange=self.exchange,
@@ -181,9 +185,9 @@ class Transformer(nn.Module):
         # over the idle `pipe` axis here and permuting it back (pipelined layouts).
         return constrain(constrain(self.embed(tokens), NORMED), RESIDUAL)
 
-    def run_blocks(self, x: jax.Array) -> tuple[jax.Array, Stats]:
+    def run_blocks(self, x: jax.Array, docs: Docs = None) -> tuple[jax.Array, Stats]:
         """[B, T, D] through the scanned stack; stats stacked per MoE layer ([L_moe] each)."""
-        return self.layers(x, None)
+        return self.layers(x, docs)
 
     def head(self, x: jax.Array) -> jax.Array:
         """[B, T, D] -> [B, T, V] float32 logits (sampling, tests; training uses head_loss)."""
@@ -191,26 +195,38 @@ class Transformer(nn.Module):
         logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.logits(x)
         return constrain(logits, LOGITS).astype(jnp.float32)
 
-    def head_loss(self, x: jax.Array, targets: jax.Array) -> jax.Array:
-        """[B, T, D], targets [B, T] -> mean cross-entropy, never holding [B, T, V] (vocab.py)."""
+    def head_loss(self, x: jax.Array, targets: jax.Array, loss_mask: jax.Array | None = None) -> jax.Array:
+        """[B, T, D], targets [B, T] -> mean cross-entropy, never holding [B, T, V] (vocab.py).
+        `loss_mask` [B, T] (packed documents): the mean over the tokens where it is nonzero."""
         x = constrain(self.final_norm(x), NORMED)
         if self.cfg.tie_embeddings:
-            return self.embed.loss(x, targets, self.loss_chunk)
-        return self.logits(x, targets, self.loss_chunk)
+            return self.embed.loss(x, targets, self.loss_chunk, loss_mask)
+        return self.logits(x, targets, self.loss_chunk, loss_mask)
 
-    def forward(self, tokens: jax.Array) -> tuple[jax.Array, Stats]:
-        """[B, T] int token ids -> ([B, T, V] float32 logits, MoE stats per layer)."""
-        x, stats = self.run_blocks(self.embed_tokens(tokens))
+    def forward(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                positions: jax.Array | None = None) -> tuple[jax.Array, Stats]:
+        """[B, T] int token ids -> ([B, T, V] float32 logits, MoE stats per layer); packed
+        documents: `segment_ids` and `positions` [B, T] (both or neither)."""
+        x, stats = self.run_blocks(self.embed_tokens(tokens), _docs(segment_ids, positions))
         return self.head(x), stats
 
-    def loss(self, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, Stats]:
-        """[B, T] inputs and targets -> (mean cross-entropy, MoE stats per layer)."""
-        x, stats = self.run_blocks(self.embed_tokens(tokens))
-        return self.head_loss(x, targets), stats
+    def loss(self, tokens: jax.Array, targets: jax.Array, segment_ids: jax.Array | None = None,
+             positions: jax.Array | None = None, loss_mask: jax.Array | None = None) -> tuple[jax.Array, Stats]:
+        """[B, T] inputs and targets -> (mean cross-entropy, MoE stats per layer). Packed
+        documents (data.DOC_KEYS, [B, T] each): attention within each segment, rotary
+        `positions`, the mean over the targets `loss_mask` keeps."""
+        x, stats = self.run_blocks(self.embed_tokens(tokens), _docs(segment_ids, positions))
+        return self.head_loss(x, targets, loss_mask), stats
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """[B, T] int token ids -> [B, T, V] float32 logits."""
         return self.forward(tokens)[0]
+
+
+def _docs(segment_ids: jax.Array | None, positions: jax.Array | None) -> Docs:
+    if (segment_ids is None) != (positions is None):
+        raise ValueError("packed documents need both segment_ids and positions (or neither)")
+    return None if segment_ids is None else (segment_ids, positions)
 
 
 def moe_stat_shapes(c: ModelConfig, layers_per_chunk: int) -> dict[str, tuple[int, ...]]:

@@ -30,11 +30,20 @@ LOGITS = ("activation_batch", "activation_length", "activation_vocab")
 ROWS = ("activation_batch", "activation_length", "activation_embed")
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+def cross_entropy(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array | None = None) -> jax.Array:
     """Mean token cross-entropy in float32; [B, T, V], [B, T] -> []. The reference the fused loss
-    is tested against, and the loss of an FP8 output projection (fp8.logits)."""
+    is tested against, and the loss of an FP8 output projection (fp8.logits). `loss_mask` [B, T]
+    (packed documents): the mean over the tokens where it is nonzero (mask_mean)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    if loss_mask is None:
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(loss_mask != 0, nll, 0.0)) / mask_count(loss_mask)
+
+
+def mask_count(loss_mask: jax.Array) -> jax.Array:
+    """The denominator of a masked mean: the tokens kept, at least 1 (an all-masked batch: 0)."""
+    return jnp.maximum(jnp.sum((loss_mask != 0).astype(jnp.float32)), 1.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,17 +101,18 @@ def _slice(a: jax.Array, i: jax.Array, chunk: int) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def fused_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, dims: Any, use: ParamUse,
-                        chunk: int, pins: VocabPins) -> jax.Array:
-    """cross_entropy(x . use.weight(w), targets) without the [B, T, V] logits: x [B, T, D] in the
-    compute dtype, w the master weight (dims: its lax.dot_general dimension numbers with x),
-    targets [B, T]; `chunk` positions of T at a time (T a multiple of it). The weight gradient
-    is accumulated over chunks in float32 and leaves in use.grad_dtype (layers.ParamUse)."""
-    return _fused_fwd(x, w, targets, dims, use, chunk, pins)[0]
+def fused_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, dims: Any, use: ParamUse, chunk: int,
+                        pins: VocabPins, loss_mask: jax.Array | None = None) -> jax.Array:
+    """cross_entropy(x . use.weight(w), targets, loss_mask) without the [B, T, V] logits: x
+    [B, T, D] in the compute dtype, w the master weight (dims: its lax.dot_general dimension
+    numbers with x), targets [B, T], loss_mask [B, T] or None (every token counts); `chunk`
+    positions of T at a time (T a multiple of it). The weight gradient is accumulated over
+    chunks in float32 and leaves in use.grad_dtype (layers.ParamUse)."""
+    return _fused_fwd(x, w, targets, dims, use, chunk, pins, loss_mask)[0]
 
 
 def _fused_fwd(x: jax.Array, w: jax.Array, targets: jax.Array, dims: Any, use: ParamUse, chunk: int,
-               pins: VocabPins):
+               pins: VocabPins, loss_mask: jax.Array | None = None):
     wc = use.weight(w)  # cast (ZeRO-3: gathered) once for every chunk
     b, t = targets.shape
     vma = sorted(varying_axes(x) | varying_axes(wc))  # inside shard_map: the carries' type
@@ -112,18 +122,21 @@ def _fused_fwd(x: jax.Array, w: jax.Array, targets: jax.Array, dims: Any, use: P
         tc = _slice(targets, i, chunk)
         lse = jax.nn.logsumexp(lg, axis=-1)  # [B, C]
         picked = jnp.sum(jnp.where(_is_target(lg, tc), lg, 0.0), axis=-1)
-        return total + jnp.sum(lse - picked), lse
+        if loss_mask is None:
+            return total + jnp.sum(lse - picked), lse
+        return total + jnp.sum(jnp.where(_slice(loss_mask, i, chunk) != 0, lse - picked, 0.0)), lse
 
     total, lse = lax.scan(body, vary(jnp.zeros((), jnp.float32), vma), jnp.arange(t // chunk))
-    return total / (b * t), (x, wc, targets, lse)  # lse: [T/C, B, C] float32, the only new residual
+    denom = b * t if loss_mask is None else mask_count(loss_mask)
+    return total / denom, (x, wc, targets, loss_mask, lse)  # lse: [T/C, B, C] float32, the only new residual
 
 
 def _fused_bwd(dims: Any, use: ParamUse, chunk: int, pins: VocabPins, res: tuple, g: jax.Array):
     # A barrier so that the compiler cannot merge the recomputed logits with the forward's (it
     # did, for one chunk): that would keep [B, T, V] float32 alive from the forward to here.
-    x, wc, targets, lse = lax.optimization_barrier(res)
+    x, wc, targets, loss_mask, lse = lax.optimization_barrier(res)
     b, t = targets.shape
-    scale = g / (b * t)
+    scale = g / (b * t) if loss_mask is None else g / mask_count(loss_mask)
     vma = sorted(varying_axes(x) | varying_axes(wc))
 
     # The weight gradient is accumulated per batch shard over the chunks ([n, *W] float32) and
@@ -139,7 +152,8 @@ def _fused_bwd(dims: Any, use: ParamUse, chunk: int, pins: VocabPins, res: tuple
         tc = _slice(targets, i, chunk)
         # d(mean CE)/d logits = (softmax - onehot) / (B T), entering the matmuls in the compute
         # dtype as autodiff through the head's cast would send it
-        d = ((jnp.exp(lg - lse[i][..., None]) - _is_target(lg, tc)) * scale).astype(use.dtype)
+        sc = scale if loss_mask is None else jnp.where(_slice(loss_mask, i, chunk) != 0, scale, 0.0)[..., None]
+        d = ((jnp.exp(lg - lse[i][..., None]) - _is_target(lg, tc)) * sc).astype(use.dtype)
         d = pins.logits(d)
         dxc = pins.rows(dot_grad_lhs(d, wc, dims, x.ndim, x.dtype))
         dx = lax.dynamic_update_slice_in_dim(dx, dxc, i * chunk, axis=1)
@@ -147,14 +161,15 @@ def _fused_bwd(dims: Any, use: ParamUse, chunk: int, pins: VocabPins, res: tuple
 
     init = (vary(jnp.zeros_like(x), vma), vary(pins.per_shard(jnp.zeros((pins.shards, *wc.shape), jnp.float32)), vma))
     (dx, dw), _ = lax.scan(body, init, jnp.arange(t // chunk))
-    return dx, use.weight_grad(pins.reduce(dw, use.grad_dtype)), None
+    return dx, use.weight_grad(pins.reduce(dw, use.grad_dtype)), None, None
 
 
 fused_cross_entropy.defvjp(_fused_fwd, _fused_bwd)
 
 
 def projection_loss(x: jax.Array, w: jax.Array, targets: jax.Array, dims: Any, names: tuple[str, ...], dtype: Any,
-                    grad_dtype: Any, dot: Any, placer: ParamPlacer | None, chunk: int) -> jax.Array:
+                    grad_dtype: Any, dot: Any, placer: ParamPlacer | None, chunk: int,
+                    loss_mask: jax.Array | None = None) -> jax.Array:
     """Mean cross-entropy of the logits x . w ([B, T, D] -> [B, T, V]) against targets [B, T].
 
     Fused and chunked (fused_cross_entropy) for a plain matmul; an injected `dot` (FP8 logits)
@@ -164,10 +179,11 @@ def projection_loss(x: jax.Array, w: jax.Array, targets: jax.Array, dims: Any, n
     """
     if dot is not None:
         logits = constrain(param_matmul(x, w, dims, names, dtype, grad_dtype, dot, placer), LOGITS)
-        return cross_entropy(logits, targets)
+        return cross_entropy(logits, targets, loss_mask)
     use = ParamUse(param_placement(placer, names), jnp.dtype(dtype), jnp.dtype(grad_dtype or dtype), jnp.dtype(w.dtype))
     x, w = match_varying(x.astype(dtype), w)
-    return fused_cross_entropy(x, w, targets, dims, use, chunk_length(chunk, targets.shape[1]), VocabPins.here(names))
+    return fused_cross_entropy(x, w, targets, dims, use, chunk_length(chunk, targets.shape[1]),
+                               VocabPins.here(names), loss_mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,10 +267,10 @@ class Embed(nn.Module):
         return param_matmul(x, self.embedding, self.ATTEND, self.NAMES, self.dtype, self.grad_dtype,
                             self.attend_dot_general, self.placer)
 
-    def loss(self, x: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+    def loss(self, x: jax.Array, targets: jax.Array, chunk: int, loss_mask: jax.Array | None = None) -> jax.Array:
         """Mean cross-entropy of the tied logits of x [B, T, D] against targets [B, T] (loss.py)."""
         return projection_loss(x, self.embedding, targets, self.ATTEND, self.NAMES, self.dtype, self.grad_dtype,
-                               self.attend_dot_general, self.placer, chunk)
+                               self.attend_dot_general, self.placer, chunk, loss_mask)
 
 
 class Head(nn.Module):
@@ -271,7 +287,8 @@ class Head(nn.Module):
     DIMS = (((2,), (0,)), ((), ()))  # [B, T, D] x [D, V] -> [B, T, V]
 
     @nn.compact
-    def __call__(self, x: jax.Array, targets: jax.Array | None = None, chunk: int = 0) -> jax.Array:
+    def __call__(self, x: jax.Array, targets: jax.Array | None = None, chunk: int = 0,
+                 loss_mask: jax.Array | None = None) -> jax.Array:
         """Logits [B, T, V] in `dtype`; with `targets` [B, T], their mean cross-entropy instead."""
         kernel = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.NAMES),
                             (x.shape[-1], self.vocab_size), jnp.float32)
@@ -279,4 +296,4 @@ class Head(nn.Module):
         if targets is None:
             return param_matmul(x, kernel, self.DIMS, self.NAMES, self.dtype, self.grad_dtype, dot, self.placer)
         return projection_loss(x, kernel, targets, self.DIMS, self.NAMES, self.dtype, self.grad_dtype, dot,
-                               self.placer, chunk)
+                               self.placer, chunk, loss_mask)

@@ -78,9 +78,13 @@ class Build:
                             self.layout.abstract_state, self.layout.state_shardings)
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """'inputs', 'targets': [B, T] int32, sharded over the batch axes."""
+        """'inputs', 'targets' (packed documents, data.eod_id >= 0: and data.DOC_KEYS): [B, T]
+        int32, sharded over the batch axes."""
+        from parallax.train.data import DOC_KEYS
+
         shape = (self.cfg.train.global_batch, self.cfg.train.seq_len)
-        return {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding) for k in ("inputs", "targets")}
+        keys = ("inputs", "targets") + (DOC_KEYS if self.cfg.data.eod_id >= 0 else ())
+        return {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding) for k in keys}
 
     def params_per_device(self) -> int:
         """Parameters one device holds: each leaf's shard shape under its sharding."""

@@ -7,6 +7,14 @@ global batch, so a resumed run sees exactly the batches it would have seen, on a
 process count. Each process reads only the rows its own devices hold.
 
 A batch row holds T+1 tokens: inputs are `row[:-1]`, targets `row[1:]` (`split_batch`).
+
+Packed documents (`data.eod_id` >= 0): each occurrence of the end-of-document id ends a document
+(the built-in corpus appends byte 0 after each source file). A batch then also carries, per input
+token, `segment_ids` (the document's index within its row, from 0), `positions` (restarting at 0
+at each document start within the row; a row starting inside a document starts that fragment at
+0) and `loss_mask` (0 where the input is the end-of-document token: its target is the first token
+of the next document). All of it is computed from the row alone, so the batch stays a pure
+function of the step.
 """
 
 from __future__ import annotations
@@ -69,14 +77,27 @@ def stdlib_files() -> tuple[list[Path], list[Path]]:
     return train, val
 
 
-@functools.lru_cache(maxsize=1)
-def stdlib_tokens() -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation) uint8 token arrays (byte values, vocab 256); read-only, cached."""
+STDLIB_EOD = 0  # the built-in corpus's end-of-document byte: Python refuses source holding a NUL
+
+
+@functools.lru_cache(maxsize=2)
+def stdlib_tokens(documents: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) uint8 token arrays (byte values, vocab 256); read-only, cached.
+    `documents`: each file followed by one STDLIB_EOD byte (data.eod_id=0), one file a document."""
     train, val = stdlib_files()
     # Files are concatenated as-is: each already ends in a newline, so boundaries stay lines.
-    train_bytes = b"".join(p.read_bytes() for p in train)
-    val_bytes = b"".join(p.read_bytes() for p in val)
-    return np.frombuffer(train_bytes, np.uint8), np.frombuffer(val_bytes, np.uint8)
+    sep = bytes([STDLIB_EOD]) if documents else b""
+
+    def join(files: list[Path]) -> bytes:
+        texts = [p.read_bytes() for p in files]
+        if documents:
+            for p, t in zip(files, texts):
+                if bytes([STDLIB_EOD]) in t:
+                    raise DataError(f"built-in corpus 'stdlib': {str(p)!r} holds a NUL byte, the end-of-document "
+                                    "mark of data.eod_id=0; set data.eod_id=-1")
+        return b"".join(t + sep for t in texts)
+
+    return np.frombuffer(join(train), np.uint8), np.frombuffer(join(val), np.uint8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,9 +147,25 @@ def load_token_file(path: str | os.PathLike, token_dtype: str, vocab_size: int, 
 # Batching
 
 
-def split_batch(rows: np.ndarray) -> dict[str, np.ndarray]:
-    """[B, T+1] windows -> {'inputs': [B, T], 'targets': [B, T]} (targets are inputs shifted by 1)."""
-    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+DOC_KEYS = ("segment_ids", "positions", "loss_mask")  # the packed batch's keys besides inputs/targets
+
+
+def split_batch(rows: np.ndarray, eod_id: int = -1) -> dict[str, np.ndarray]:
+    """[B, T+1] windows -> {'inputs': [B, T], 'targets': [B, T]} (targets are inputs shifted by 1);
+    with eod_id >= 0 also DOC_KEYS, int32 [B, T] each (the module docstring)."""
+    batch = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+    if eod_id < 0:
+        return batch
+    ends = rows[:, :-1] == eod_id  # [B, T]: the input ends its document
+    t = ends.shape[1]
+    # a new document starts after every end-of-document token: segment = ends strictly before
+    segment = np.concatenate([np.zeros_like(ends[:, :1], np.int32), np.cumsum(ends[:, :-1], axis=1, dtype=np.int32)],
+                             axis=1)
+    starts = np.concatenate([np.ones_like(ends[:, :1]), ends[:, :-1]], axis=1)
+    first = np.maximum.accumulate(np.where(starts, np.arange(t, dtype=np.int32), 0), axis=1)
+    batch.update(segment_ids=segment, positions=(np.arange(t, dtype=np.int32) - first).astype(np.int32),
+                 loss_mask=(~ends).astype(np.int32))
+    return batch
 
 
 class Batcher:
@@ -140,7 +177,7 @@ class Batcher:
     """
 
     def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int, name: str,
-                 stream: int = 0):
+                 stream: int = 0, eod_id: int = -1):
         if len(tokens.shape) != 1:
             raise DataError(f"{name}: expected a 1-D token array, got shape {tokens.shape}")
         if len(tokens) < seq_len + 1:
@@ -154,6 +191,7 @@ class Batcher:
         self.seed = seed % 2**64  # SeedSequence rejects negative entropy; train.seed may be negative
         self.stream = stream
         self.name = name
+        self.eod_id = eod_id  # >= 0: packed documents (split_batch)
 
     def offsets(self, step: int) -> np.ndarray:
         """[B] window starts of the global batch at `step`, uniform in [0, len - (T+1)]."""
@@ -186,10 +224,10 @@ def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, int]) -> np.
 
 
 def make_global_batch(batcher: Batcher, step: int, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
-    """{'inputs', 'targets'}: int32 [B, T] global arrays laid out as `sharding`; each process
-    reads only the rows its own devices hold (with one process, all of them)."""
+    """{'inputs', 'targets'} (packed: and DOC_KEYS): int32 [B, T] global arrays laid out as
+    `sharding`; each process reads only the rows its own devices hold (with one process, all)."""
     shape = (batcher.global_batch, batcher.seq_len)
-    local = split_batch(batcher.batch_rows(step, process_rows(sharding, shape)))  # [b, T] each
+    local = split_batch(batcher.batch_rows(step, process_rows(sharding, shape)), batcher.eod_id)  # [b, T] each
     # global_shape is explicit: the sequence dim is always read whole, so it must not be inferred.
     return {k: jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(v), shape)
             for k, v in local.items()}
@@ -200,13 +238,15 @@ def open_data(cfg: Config) -> tuple[Batcher, Batcher]:
     check_data(cfg)
     src, tr = cfg.data.source, cfg.train
     if src == "stdlib":
-        train, val = stdlib_tokens()
+        # (called without an argument when unpacked: lru_cache keys f() and f(False) apart)
+        train, val = stdlib_tokens(True) if cfg.data.eod_id == STDLIB_EOD else stdlib_tokens()
         label, val_note = "built-in corpus 'stdlib'", "validation split"
     else:
         train, val = load_token_file(src, cfg.data.token_dtype, cfg.model.vocab_size, cfg.data.val_fraction)
         label, val_note = f"data file {src!r}", f"validation split, data.val_fraction={cfg.data.val_fraction}"
     # Separate streams: validation windows are drawn independently of the training ones.
+    eod = cfg.data.eod_id
     return (
-        Batcher(train, tr.global_batch, tr.seq_len, tr.seed, f"{label} (train split)", stream=0),
-        Batcher(val, tr.global_batch, tr.seq_len, tr.seed, f"{label} ({val_note})", stream=1),
+        Batcher(train, tr.global_batch, tr.seq_len, tr.seed, f"{label} (train split)", stream=0, eod_id=eod),
+        Batcher(val, tr.global_batch, tr.seq_len, tr.seed, f"{label} ({val_note})", stream=1, eod_id=eod),
     )

@@ -51,7 +51,8 @@ class Layout:
     abstract_state: TrainState
     state_shardings: TrainState
     schedule: Schedule | None  # the pipeline schedule; None when the stack is not pipelined
-    # (params, tokens [B, T], targets [B, T], FP8 collection (fm32) or None) -> (mean cross-entropy, MoE stats)
+    # (params, tokens [B, T], targets [B, T], FP8 collection (fm32) or None, **packed documents:
+    # [B, T] arrays, data.DOC_KEYS: not pipelined, parallelism.RULES) -> (mean cross-entropy, MoE stats)
     apply: Callable[..., tuple[jax.Array, dict]]
     # (params, batch) -> (loss, grads) for schedules that compute their own gradients (1F1B).
     value_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]] | None = None
@@ -124,9 +125,10 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
         if schedule.name == "1f1b":  # the forward-only `apply` (evaluation) runs it as GPipe
             value_and_grad = make_1f1b_value_and_grad(model, schedule, mesh, layer_specs, par.batch_shards)
     else:
-        def apply(params: Any, tokens: jax.Array, targets: jax.Array, fp8: Any = None) -> tuple[jax.Array, dict]:
+        def apply(params: Any, tokens: jax.Array, targets: jax.Array, fp8: Any = None,
+                  **docs: jax.Array) -> tuple[jax.Array, dict]:  # docs: packed documents (data.DOC_KEYS)
             variables = {"params": params, **({FP8_COLLECTION: fp8} if fp8 else {})}
-            return model.apply(variables, tokens, targets, method=Transformer.loss)
+            return model.apply(variables, tokens, targets, method=Transformer.loss, **docs)
     params = jax.eval_shape(lambda r: _init_params(model, cfg, r, schedule), jax.random.key(0))
     opt_param_shardings = logical_shardings(logical_specs, mesh, optimizer_rules(cfg.parallel))
     muon_layout = muon_shardings(params, logical_specs, opt_param_shardings) if cfg.optim.name == "muon" else None

@@ -23,7 +23,7 @@ from parallax.parallelism import reduces_once
 from parallax.parallel.sharding import BATCH_AXES, logical_context
 from parallax.train.train_state import Layout, TrainState
 
-Batch = dict[str, jax.Array]  # 'inputs', 'targets': [B, T] int32
+Batch = dict[str, jax.Array]  # 'inputs', 'targets' (packed documents: and data.DOC_KEYS): [B, T] int32
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
@@ -40,7 +40,9 @@ def make_loss_fn(layout: Layout) -> Callable[[Any, Batch, Any], tuple[jax.Array,
     def loss_fn(params: Any, batch: Batch, fp8: Any = None) -> tuple[jax.Array, Aux]:
         with logical_context(layout.mesh, layout.rules):
             # FP8 state enters as fm32 here, before any loop over layers, ticks or microbatches (fp8.py)
-            ce, stats = layout.apply(params, batch["inputs"], batch["targets"], fp8_variables(fp8).get(FP8_COLLECTION))
+            docs = {k: v for k, v in batch.items() if k not in ("inputs", "targets")}  # packed: data.DOC_KEYS
+            ce, stats = layout.apply(params, batch["inputs"], batch["targets"], fp8_variables(fp8).get(FP8_COLLECTION),
+                                     **docs)
         return ce + moe_loss(stats, layout.model.cfg), (ce, stats)
 
     return loss_fn
