@@ -14,20 +14,28 @@ Counting, as the accelerator type names do:
   is 4 chips, 8 devices.
 - `KxNAME` (e.g. `2xv5p-128`): K slices of NAME over the data-centre network (multislice);
   make_mesh lays pipe, then data, across the slices (mesh.dcn_shape).
-GPU targets (`h100-N`, `h200-N`, `b200-N`: N GPUs, 8 per host) are named in the table, so the
-planner can use them, but compiling for them needs the CUDA plugin (jax[cuda12], i.e.
-jax-cuda12-plugin) with a GpuTargetConfigProto per device, which this package does not ship yet:
-`target_devices` refuses them with one line naming the package.
+GPU targets (`h100-N`, `h200-N`, `b200-N`: N GPUs, 8 per host, as on a DGX/HGX) compile with the
+XLA:GPU compiler of the CUDA plugin, with no GPU: `get_topology_desc(platform="cuda",
+target_config=<GpuTargetConfigProto>, topology="1xHx8")` gives H hosts of 8 compile-only GPUs.
+The device descriptions are XLA's own (gpu_specs/*.txtpb, from openxla/xla's
+xla/backends/gpu/target_config/specs). The compile needs jax-cuda12-plugin (with jax-cuda12-pjrt)
+and ptxas with libdevice (nvidia-cuda-nvcc-cu12, or a CUDA toolkit); nvidia-cuda-runtime-cu12
+keeps the plugin from logging "Could not find cuda drivers" when JAX starts with no GPU. No other
+CUDA wheel is needed (no cuBLAS, cuDNN, NCCL: nothing runs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
+import importlib.resources
 import importlib.util
 import math
 import os
 import re
+import shutil
+import sys
 from dataclasses import dataclass
 
 from parallax.config import ConfigError, MeshConfig, UserError, resolve_mesh_shape
@@ -82,7 +90,12 @@ class Target:
 # hosts hold 2x2 chips).
 
 _TPU = "libtpu (pip install 'jax[tpu]==0.10.2')"
-_CUDA = "jax[cuda12] (the jax-cuda12-plugin wheel: pip install 'jax[cuda12]==0.10.2')"
+# The smallest set that compiles for a GPU target on a machine with no GPU and no CUDA toolkit
+# (checked 2026-12-01, jax 0.10.2: 4 wheels, 227 MB to download, 610 MB installed; BUILD_NOTES.md):
+# the plugin and its PJRT library (jax[cuda12-local]), ptxas + libdevice (nvidia-cuda-nvcc-cu12),
+# libcudart (nvidia-cuda-runtime-cu12; without it the plugin logs to stderr when JAX starts).
+CUDA_WHEELS = ("nvidia-cuda-nvcc-cu12", "nvidia-cuda-runtime-cu12")
+_CUDA = "the CUDA plugin (jax-cuda12-plugin)"
 GPU_PER_HOST = 8
 # 2D (v5e, v6e) and 3D (v4, v5p, tpu7x) slice shapes by chip count.
 _SHAPES_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
@@ -110,11 +123,16 @@ FAMILIES = {
     "v4": _Family("v4", {k: v for k, v in _SHAPES_3D.items() if k <= 2048}, 2, 1, "tpu", "tpu-v4", _TPU, "megacore"),
     "v5p": _Family("v5p", _SHAPES_3D, 2, 1, "tpu", "tpu-v5p", _TPU, "megacore"),
     "tpu7x": _Family("tpu7x", _SHAPES_3D, 2, 2, "tpu", None, _TPU),
-    # GPU: N GPUs, 8 per host (DGX/HGX); device facts for the compiler are not in the package yet.
+    # GPU: N GPUs, 8 per host (DGX/HGX); the compiler's device description: GPU_SPECS.
     "h100": _Family(None, None, 1, 1, "gpu", "h100", _CUDA),
     "h200": _Family(None, None, 1, 1, "gpu", "h200", _CUDA),
     "b200": _Family(None, None, 1, 1, "gpu", "b200", _CUDA),
 }
+# The XLA:GPU compiler's device description per GPU family (gpu_specs/, next to this file):
+# openxla/xla's xla/backends/gpu/target_config/specs/{h100_sxm,h200,b200}.txtpb, less the one
+# field jaxlib 0.10.2's GpuTargetConfigProto lacks. The planner's peak FLOPs and memory for the
+# same devices are analysis/presets.DEVICES.
+GPU_SPECS = {"h100": "h100.txtpb", "h200": "h200.txtpb", "b200": "b200.txtpb"}
 ALIASES = {"v5litepod": "v5e", "v7x": "tpu7x"}  # Cloud TPU's older v5e spelling; Ironwood's marketing name
 
 _NAME = re.compile(r"^(?:(\d+)x)?([a-z0-9]+)-(\d+)$")
@@ -160,21 +178,43 @@ def target(name: str) -> Target:
                   chips * slices, slices, f.device_type, f.package, f.chip_config)
 
 
+def _ptxas_found() -> bool:
+    """ptxas (and libdevice beside it): the nvidia-cuda-nvcc-cu12 wheel, or a CUDA toolkit."""
+    try:
+        if importlib.util.find_spec("nvidia.cuda_nvcc") is not None:
+            return True
+    except (ImportError, ValueError):
+        pass
+    return shutil.which("ptxas") is not None or os.path.exists("/usr/local/cuda/bin/ptxas")
+
+
+def _gpu_install_line() -> str:
+    from importlib import metadata
+
+    try:
+        jax_version = metadata.version("jax")
+    except metadata.PackageNotFoundError:
+        jax_version = "0.10.2"
+    return f"pip install 'jax[cuda12-local]=={jax_version}' {' '.join(CUDA_WHEELS)}"
+
+
 def compiler_installed(t: Target) -> bool:
     if t.platform == "tpu":
         return importlib.util.find_spec("libtpu") is not None
-    return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    return importlib.util.find_spec("jax_cuda12_plugin") is not None and _ptxas_found()
 
 
 def require_compiler(t: Target) -> None:
-    """Raises CompilerNotInstalled naming the package when `t`'s compiler is missing (and, for
-    GPU targets, always: the package does not carry their device descriptions yet)."""
-    if not compiler_installed(t):
-        raise CompilerNotInstalled(f"--target {t.name}: the {t.platform.upper()} compiler is not installed; "
-                                   f"it comes with {t.package}")
-    if t.platform == "gpu":
-        raise CompilerNotInstalled(f"--target {t.name}: compiling for GPU targets is not built yet (it needs "
-                                   f"{t.package} and a GpuTargetConfigProto for the device); TPU targets compile")
+    """Raises CompilerNotInstalled, one line naming what to install, when `t`'s compiler is missing."""
+    if compiler_installed(t):
+        return
+    if t.platform == "tpu":
+        raise CompilerNotInstalled(f"--target {t.name}: the TPU compiler is not installed; it comes with {t.package}")
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+        what = "the GPU compiler (the CUDA plugin, jax-cuda12-plugin) is not installed"
+    else:
+        what = "the GPU compiler needs ptxas, which is not found (nvidia-cuda-nvcc-cu12, or a CUDA toolkit on PATH)"
+    raise CompilerNotInstalled(f"--target {t.name}: {what}; no GPU is needed to compile: {_gpu_install_line()}")
 
 
 def target_mesh_shape(mesh: MeshConfig, t: Target) -> dict[str, int]:
@@ -219,15 +259,50 @@ def _quiet_stderr():
 _DEVICES: dict[str, list] = {}
 
 
+def gpu_spec(device_type: str) -> str:
+    """The GpuTargetConfigProto text (gpu_specs/) for a GPU family: 'h100', 'h200', 'b200'."""
+    return (importlib.resources.files("parallax.parallel") / "gpu_specs" / GPU_SPECS[device_type]).read_text()
+
+
+def gpu_topology(t: Target) -> str:
+    """get_topology_desc's GPU topology, 'slices x hosts x GPUs per host': h100-64 -> '1x8x8'.
+    K slices of a GPU target are K times its hosts in one topology (`2xh100-16` -> '1x4x8'): the
+    plugin's slices give every device slice_index 0, and GPU hosts share one network anyway."""
+    per_host = min(GPU_PER_HOST, t.devices)
+    return f"1x{t.devices // per_host}x{per_host}"
+
+
+def _cpu_only_jax() -> None:
+    """Compile-only GPU devices need no GPU backend: unless JAX has started, or a GPU is there, JAX
+    runs on the CPU, and the CUDA plugin is not asked to find a GPU (its cuInit failure would be
+    logged on the user's screen)."""
+    if "jax" in sys.modules or os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/nvidia[0-9]*"):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def _gpu_devices(t: Target) -> list:
+    _cpu_only_jax()
+    with _quiet_stderr():  # the plugin's loader logs (no libcudart, no driver) go to fd 2
+        from jax.experimental import topologies
+
+        topo = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=gpu_spec(t.device_type),
+                                            topology=gpu_topology(t))
+    return list(topo.devices)
+
+
 def target_devices(name: str | Target) -> list:
     """The compile-only devices of target `name`, in the topology's order (make_mesh arranges
     them). Raises UnknownTarget / CompilerNotInstalled. Cached per target."""
     t = name if isinstance(name, Target) else target(name)
     require_compiler(t)
-    key = f"{t.slices}x{t.topology}/{t.chip_config}"
-    if key not in _DEVICES:
-        from jax.experimental import topologies
-
+    key = f"{t.device_type}:{gpu_topology(t)}" if t.platform == "gpu" else f"{t.slices}x{t.topology}/{t.chip_config}"
+    if key in _DEVICES:
+        return _DEVICES[key]
+    if t.platform == "gpu":
+        devices = _gpu_devices(t)
+    else:
         kw = {"num_slices": t.slices} if t.slices > 1 else {}
         if t.chip_config:
             kw["chip_config_name"] = t.chip_config
@@ -237,9 +312,11 @@ def target_devices(name: str | Target) -> list:
             # user's audit) fails with "Internal error when accessing libtpu multi-process lockfile".
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         with _quiet_stderr():
+            from jax.experimental import topologies
+
             devices = topologies.get_topology_desc(platform="tpu", topology_name=t.topology, **kw).devices
-        if len(devices) != t.devices:  # the table and libtpu disagree: a wrong table entry
-            raise RuntimeError(f"target {t.name}: libtpu's {t.topology} has {len(devices)} devices, the table "
-                               f"says {t.devices}")
-        _DEVICES[key] = list(devices)
+    if len(devices) != t.devices:  # the table and the compiler disagree: a wrong table entry
+        raise RuntimeError(f"target {t.name}: the compiler's topology has {len(devices)} devices, the table "
+                           f"says {t.devices}")
+    _DEVICES[key] = list(devices)
     return _DEVICES[key]
