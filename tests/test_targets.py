@@ -416,10 +416,10 @@ def test_audit_for_h100_8_reads_the_gpu_compilers_program(h100_audit):
     """The GPU compiler's program: every collective an async -start/-done pair, which hlo.py reads
     (one row per start, its axes from the mesh replica groups); every matmul a Triton gemm fusion;
     memory from its buffer assignment. Measured (jax-cuda12-plugin 0.10.2, 2026-12-01): 13
-    all-reduce pairs, 22 gemm fusions, XLA peak 6.76 MB per GPU, cost model -19%. Bytes are not
-    held to the model here: hlo.py halves every async start's result, which is right only where
-    the start returns (operands, results) of equal size; a GPU all-reduce-start returns its result
-    alone (read at half), a reduce-scatter-start a larger operand half (read high)."""
+    all-reduce pairs, 22 gemm fusions, XLA peak 6.76 MB per GPU, cost model -19%. Bytes: an async
+    start's are its -done's result (a GPU all-reduce-start returns its result alone, its
+    reduce-scatter- and all-gather-start (operands, results)); per axis within 5% of the model
+    (seen on the quickstart shape: tensor -0.0%, data -3.6%)."""
     a, hlo = h100_audit
     assert (a["platform"], a["target"], a["device_kind"]) == ("gpu", "h100-8", "NVIDIA H100 80GB HBM3")
     assert a["compiler"].startswith("XLA:GPU (jax-cuda12-plugin ")
@@ -439,7 +439,7 @@ def test_audit_for_h100_8_reads_the_gpu_compilers_program(h100_audit):
     assert gemms >= 4 * MODEL.n_layers and gemms == len(_dot_operand_types(hlo)), gemms  # every dot a GEMM kernel
     for axis in ("data", "tensor"):
         f = a["axes"][axis]
-        assert f["bytes"] > 0 and f["model_bytes"] > 0, (axis, f)
+        assert f["bytes"] > 0 and f["model_bytes"] == pytest.approx(f["bytes"], rel=0.05), (axis, f)
     assert a["memory"]["xla"] and a["memory"]["xla"]["peak"] > 0
     assert a["flops"]["hlo_dots"]["total"] == pytest.approx(a["flops"]["executed_model"]["total"], rel=0.05)
 

@@ -291,6 +291,7 @@ def groups_to_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple
     return tuple(a for a in names if a in varying)
 
 
+_DONE = re.compile(r"^\s*(?:ROOT )?%\S+ = (.+?) [a-z-]+-done\(%([^,\s)]+)\)")
 _FUSED_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = (.+?) fusion\(.*kind=kCustom, calls=%(all-reduce-scatter[^,\s]*)")
 
 
@@ -315,6 +316,8 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
     comps = _split_computations(hlo)
     runs, branched = _executions(comps)
     scatters = _reduce_scatter_fusions(comps)
+    dones = {m.group(2): m.group(1) for lines in comps.values() for line in lines
+             if (m := _DONE.match(line))}  # start name -> its -done's result shape
     found = []
     for comp, lines in comps.items():
         for line in lines:
@@ -325,8 +328,11 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
             groups = _groups(line, math.prod(mesh_shape.values()))
             axes = groups_to_axes(groups, mesh_shape) if groups else ()
             nbytes = _shape_bytes(result)
-            if start:  # async start returns (operands, results): count the results only
-                nbytes //= 2
+            if start:  # an async start: its results are what its -done returns
+                done = dones.get(name)
+                # (XLA:GPU's all-reduce-start returns the results alone, its all-gather- and
+                # reduce-scatter-start (operands, results); with no -done found, half the tuple)
+                nbytes = _shape_bytes(done) if done is not None else nbytes // 2
             op = re.search(r'op_name="([^"]*)"', line)
             if kind == "all-reduce" and comp in scatters:
                 shard, caller = scatters[comp]
