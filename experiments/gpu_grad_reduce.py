@@ -19,7 +19,6 @@ h100_sxm.txtpb), the subset jaxlib 0.10.2's proto accepts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import sys

@@ -319,7 +319,8 @@ def add_audit_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the audit as JSON")
     p.add_argument("--target", metavar="NAME",
                    help="compile for a named slice with its own compiler, no device needed (v5e-8, v6e-256, v5p-32, "
-                        "v4-128, tpu7x-8, 2xv5p-128; TPU needs libtpu)")
+                        "v4-128, tpu7x-8, 2xv5p-128, h100-8, h200-16, b200-64; TPU needs libtpu, GPU the CUDA plugin "
+                        "and ptxas: the test extra installs both)")
 
 
 def audit_command(args) -> int:
