@@ -192,9 +192,11 @@ def test_newton_schulz_runs_on_whole_matrices_spread_over_the_mesh(zero):
     assert muon.get("all-gather", 0) <= adamw.get("all-gather", 0)
     assert muon.get("all-to-all", 0) > 0
     state = b.layout.state_shardings.opt_state
-    specs = [s.spec for (path, s) in jax.tree_util.tree_leaves_with_path(state)
-             if "MuonState" in str(type(path)) or "['mlp']['wi']" in jax.tree_util.keystr(path)]
-    assert any(tuple(spec)[:1] == (("data", "tensor"),) for spec in specs), specs  # [L over data x tensor, ...]
+    # every Muon momentum leaf (the partition's 'muon' half) has its layers over data x tensor
+    muon_specs = {jax.tree_util.keystr(path): s.spec for (path, s) in jax.tree_util.tree_leaves_with_path(state)
+                  if "'muon'" in jax.tree_util.keystr(path) and ".mu[" in jax.tree_util.keystr(path)}
+    assert len(muon_specs) == 4, muon_specs  # q/k/v, attention output, MLP wi and wo
+    assert all(tuple(spec)[:1] == (("data", "tensor"),) for spec in muon_specs.values()), muon_specs
     # The Newton-Schulz FLOPs per device, as the cost model counts them (XLA counts a scanned
     # loop's body once, but the optimizer update is outside the layer loop: all of it counts)
     model = float(optimizer_flops_per_device(Workload.of(cfg), Grid.of(cfg, dict(b.mesh.shape))))

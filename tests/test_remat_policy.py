@@ -9,10 +9,6 @@ under env CI a missing libtpu fails these tests instead of skipping them).
 """
 
 import dataclasses
-import importlib.util
-import os
-import platform
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +26,7 @@ from parallax.model.transformer import Block, remat_policy
 from parallax.parallel.mesh import available_devices, make_mesh
 from parallax.parallelism import REMATS, SAVE_ATTN_MLP, SAVE_ATTN_MLP_OFFLOAD, Parallelism, layout_fields, legal
 from parallax.train.train_state import init_state, make_layout
+from test_targets import libtpu  # noqa: F401 - the fixture: a failure under CI without libtpu
 from parallax.train.train_step import batch_sharding, make_grad_fn
 
 MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=256)
@@ -159,15 +156,6 @@ def test_offload_is_refused_on_cpu_in_one_line_naming_the_field():
     grid = {**layout_fields(cfg, sizes), "remat": np.arange(len(REMATS))}
     assert legal(cfg, grid, "cpu").tolist() == [r != "save_attn_mlp_offload" for r in REMATS]
     assert legal(cfg, grid, "tpu").all()
-
-
-@pytest.fixture(scope="module")
-def libtpu():
-    """The TPU compiler must be there: a failure under CI, a skip elsewhere (as tests/test_targets.py)."""
-    if not (sys.platform == "linux" and platform.machine() == "x86_64") or importlib.util.find_spec("libtpu") is None:
-        if os.environ.get("CI"):
-            pytest.fail("the compile-only TPU target tests need libtpu (Linux x86_64; the test extra installs it)")
-        pytest.skip("libtpu is not installed (it has wheels for Linux x86_64 only; the test extra installs it)")
 
 
 # Big enough that the saved residuals (160 MiB per device) cannot sit in v5e's on-chip VMEM
