@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import logging
 import math
 import os
@@ -112,6 +113,14 @@ def _out_of_memory(e: BaseException) -> bool:
                                           and "os_error_code" not in text)
 
 
+# Subcommands besides `train`: (module, name); the module defines `add_NAME_parser(sub)` and
+# `NAME_command(args) -> exit status` (a dash in NAME is an underscore there). Each command sizes
+# the simulated CPU devices before JAX starts, as train does.
+_SUBCOMMANDS = (
+    ("parallax.analysis.audit", "audit"),
+    ("parallax.analysis.plan", "plan"),
+)
+
 # Libraries' own lines around parallax's one line (Orbax's absl errors for a failed save, its
 # CheckpointHandlerRegistry advice, asyncio's "Future exception was never retrieved" for the
 # writes a full disk abandoned): silenced unless --debug; for the CLI's process, to its end.
@@ -124,22 +133,18 @@ def main(argv: list[str] | None = None, signals: StopSignals | None = None) -> i
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
-    from parallax.analysis.audit import add_audit_parser, audit_command  # neither imports JAX at module load
-    from parallax.analysis.plan import add_plan_parser, plan_command
-
-    add_audit_parser(sub)
-    add_plan_parser(sub)
+    commands = {"train": lambda args: train_command(args, signals)}
+    for module, name in _SUBCOMMANDS:  # none of these modules imports JAX at module load
+        mod = importlib.import_module(module)
+        getattr(mod, f"add_{name.replace('-', '_')}_parser")(sub)
+        commands[name] = getattr(mod, f"{name.replace('-', '_')}_command")
     args = parser.parse_args(argv)
     levels = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
     if not args.debug:
         for name in _QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        if args.command == "audit":  # sizes the simulated CPU devices before JAX starts, as train does
-            return audit_command(args)
-        if args.command == "plan":
-            return plan_command(args)
-        return train_command(args, signals)
+        return commands[args.command](args)
     except UserError as e:
         if args.debug:
             traceback.print_exc()
