@@ -15,12 +15,14 @@ ORDER = [
     "config", "parallelism",
     "model.logical", "model.layers", "model.vocab", "model.attention", "model.fp8", "model.moe", "model.transformer",
     "parallel.mesh", "parallel.targets", "parallel.sharding", "parallel.expert_parallel", "parallel.pipeline", "parallel.pipeline_1f1b",
-    "train.distributed", "train.optim", "train.train_state", "train.data", "train.train_step", "train.build",
+    "train.distributed", "train.optim", "train.train_state",
+    "train.tokenizer", "train.prepare", "train.data", "train.input", "train.train_step", "train.build",
     "train.checkpoint", "train.metrics", "train.tracker", "train.goodput", "train.profiler", "train.loop",
+    "interop.hf", "infer.decode", "infer.sample", "infer.evaluate",
     "analysis.cost", "analysis.collectives", "analysis.hlo", "analysis.audit", "analysis.presets", "analysis.plan",
     "cli", "__main__",
 ]
-SUBPACKAGES = ("model", "parallel", "train", "analysis")
+SUBPACKAGES = ("model", "parallel", "train", "interop", "infer", "analysis")
 # Single-device math: what they import, even through other modules and inside functions, must
 # not reach the modules that know the mesh, and they never name a mesh axis.
 PARALLEL = ("parallel.",)
