@@ -16,7 +16,7 @@ evaluates the same rules over every candidate layout at once.
 - `pipelined`, `ticks` and `bubble` are the vectorised formulas that the cost model and the
   planner read; `Schedule` computes its own from its table and the tests hold the two equal.
 
-Lifting a limit is one edit here: e.g. MoE with 1F1B is the rule "moe_1f1b" below (and, for
+Lifting a limit is one edit here: e.g. repeats with 1F1B is the rule "repeats" below (and, for
 what the program does, the pipeline schedule itself).
 """
 
@@ -243,11 +243,6 @@ RULES: tuple[Rule, ...] = (
     Rule("moe_d_ff", lambda v: ~np.asarray(v.moe) | (expert_d_ff(v.m) % v.tensor == 0),
          lambda v: f"model.moe.d_ff={v.m.moe.d_ff} must be >= 0 (0: model.d_ff) with an expert hidden size "
                    f"divisible by mesh.tensor={v.tensor}"),
-    # 1F1B computes its own gradients (pipeline_1f1b.py) and would need the router losses'
-    # cotangents per tick: the one place that refuses MoE with 1F1B.
-    Rule("moe_1f1b", lambda v: ~(np.asarray(v.moe) & v.f1b),
-         lambda v: "model.moe.num_experts: MoE layers run in the 'gpipe' and 'circular' pipeline schedules, "
-                   "not parallel.schedule='1f1b' (yet)"),
     Rule("ragged_dropless", lambda v: np.asarray(not v.moe or v.m.moe.dispatch != "ragged"
                                                  or v.m.moe.capacity_factor <= 0),
          lambda v: "model.moe.dispatch='ragged' is dropless: set model.moe.capacity_factor=0 (or <= 0)", layout=False),
@@ -255,8 +250,6 @@ RULES: tuple[Rule, ...] = (
          lambda v: "model.moe.dispatch='ragged' has no FP8 expert matmuls: use dispatch=capacity with fp8.enabled",
          layout=False),
     # the pipeline over `pipe`
-    Rule("1f1b_zero", lambda v: ~((v.schedule == ONE_F_ONE_B) & (v.zero > 1)),
-         lambda v: f"parallel.zero={v.zero}: parallel.schedule='1f1b' supports ZeRO 0 and 1"),
     Rule("repeats", lambda v: (v.repeats == 1) | (v.schedule == CIRCULAR),
          lambda v: f"parallel.repeats={v.repeats} needs parallel.schedule='circular', got {v.cfg.parallel.schedule!r}"),
     Rule("microbatches", lambda v: (v.pipe == 1) | (v.microbatches >= v.pipe),
@@ -296,11 +289,6 @@ RULES: tuple[Rule, ...] = (
     Rule("fp8_dtype", lambda v: np.asarray(not v.cfg.fp8.enabled or v.m.dtype in FP8_COMPUTE_DTYPES),
          lambda v: f"fp8.enabled: model.dtype={v.m.dtype!r} cannot be served (needs one of {FP8_COMPUTE_DTYPES})",
          layout=False),
-    # 1F1B computes its own gradients; the FP8 state's "gradient" (its new value) is not threaded
-    # through its per-tick VJPs yet. GPipe and circular carry it (pipeline.py).
-    Rule("fp8_1f1b", lambda v: ~(np.asarray(v.cfg.fp8.enabled) & v.f1b),
-         lambda v: "fp8.enabled: runs in the 'gpipe' and 'circular' pipeline schedules, not "
-                   "parallel.schedule='1f1b' (yet)"),
     # train.noise_scale needs two batch sizes, a batch shard's and the global batch's
     Rule("noise_pipe", lambda v: ~(np.asarray(v.cfg.train.noise_scale) & v.piped),
          lambda v: f"train.noise_scale: not with pipelining (mesh.pipe={v.pipe}, parallel.microbatches="

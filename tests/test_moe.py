@@ -26,7 +26,7 @@ from parallax.model.moe import MoE, assign_slots, load_balancing_loss, route, ro
 from parallax.parallel.pipeline import to_layer_major
 from parallax.parallel.sharding import logical_context
 from parallax.train.train_state import init_state, make_layout
-from parallax.train.train_step import batch_sharding, make_grad_fn
+from parallax.train.train_step import batch_sharding, make_grad_fn, make_value_and_grad
 from numerics import assert_trees_close
 
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-4, 1e-6
@@ -166,11 +166,9 @@ def _grads(cfg: Config, devices=None, with_stats: bool = False):
     if layout.schedule is not None:
         grads = {**grads, "layers": to_layer_major(grads["layers"])}
     out = (float(loss), jax.tree.map(np.asarray, grads))
-    if with_stats:
-        def stats_of(params, inputs, targets):
-            with logical_context(layout.mesh, layout.rules):
-                return layout.apply(params, inputs, targets)[1]
-        out += (jax.tree.map(np.asarray, jax.jit(stats_of)(state.params, batch["inputs"], batch["targets"])),)
+    if with_stats:  # the statistics the train step reports (1F1B: its own, from the forward ticks)
+        stats_of = jax.jit(lambda params, batch: make_value_and_grad(layout)(params, batch, {})[0][1][1])
+        out += (jax.tree.map(np.asarray, stats_of(state.params, batch)),)
     return out
 
 
@@ -206,6 +204,13 @@ PIPELINED = {
     # circular: 2 chunks per stage, experts and their hidden dim split 2 x 2
     "circular_tensor2_pipe2_expert2": ["mesh.data=1", "mesh.tensor=2", "mesh.pipe=2", "mesh.expert=2",
                                        "parallel.microbatches=2", "parallel.schedule=circular", "parallel.repeats=2"],
+    # 1F1B: the router losses' cotangents through every per-tick VJP; all four axes at once
+    "1f1b_tensor2_pipe2_expert2": ["mesh.data=1", "mesh.tensor=2", "mesh.pipe=2", "mesh.expert=2",
+                                   "parallel.microbatches=4", "parallel.schedule=1f1b"],
+    "1f1b_data2_pipe2_expert2_zero3": ["mesh.data=2", "mesh.pipe=2", "mesh.expert=2", "parallel.zero=3",
+                                       "parallel.microbatches=2", "parallel.schedule=1f1b"],
+    "1f1b_data2_tensor2_pipe2_remat": ["mesh.data=2", "mesh.tensor=2", "mesh.pipe=2", "parallel.microbatches=2",
+                                       "parallel.schedule=1f1b", "parallel.remat=full"],
 }
 
 

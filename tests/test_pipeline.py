@@ -134,6 +134,10 @@ CASES = {
     "gpipe_p2_d4_zero3": (MeshConfig(data=4, pipe=2), ParallelConfig(microbatches=2, zero=3)),
     "1f1b_d2_t2_p2": (MeshConfig(data=2, tensor=2, pipe=2), ParallelConfig(microbatches=4, schedule="1f1b")),
     "1f1b_p4_d2_zero1": (MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=4, schedule="1f1b", zero=1)),
+    # ZeRO-3: each stage gathers its weights once per step and reduce-scatters their gradient once
+    "1f1b_p2_d4_zero3": (MeshConfig(data=4, pipe=2), ParallelConfig(microbatches=2, schedule="1f1b", zero=3)),
+    "1f1b_d2_t2_p2_zero3_remat": (MeshConfig(data=2, tensor=2, pipe=2),
+                                  ParallelConfig(microbatches=4, schedule="1f1b", zero=3, remat="full")),
 }
 
 
@@ -208,7 +212,7 @@ def test_no_stage_weight_gathers_and_gradients_reduced_once(pipeline_hlo):
     (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="zigzag"), "parallel.schedule"),
     (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, repeats=2), "parallel.repeats"),
     (4, MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=6, schedule="circular"), "parallel.microbatches"),
-    (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="1f1b", zero=3), "parallel.zero"),
+    (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="1f1b", repeats=2), "parallel.repeats"),
 ])
 def test_bad_pipeline_config_names_the_field(layers, mesh, parallel, field):
     cfg = dataclasses.replace(BASE, mesh=mesh, parallel=parallel, model=dataclasses.replace(MODEL, n_layers=layers))
@@ -290,6 +294,7 @@ def uneven_reference():
 @pytest.mark.parametrize("mesh,parallel", [
     (MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=4)),
     (MeshConfig(data=1, pipe=4), ParallelConfig(microbatches=4, schedule="1f1b")),
+    (MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=4, schedule="1f1b", zero=3, remat="dots")),
     (MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="circular", repeats=2, remat="full", zero=3)),
 ])
 def test_uneven_stages_match_single_device(uneven_reference, mesh, parallel):

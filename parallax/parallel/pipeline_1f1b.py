@@ -16,24 +16,88 @@ instead of M + P - 1 ticks of residuals. Idle halves of a tick are skipped with 
 conditional per device), so with a backward costing twice a forward the time bubble is GPipe's,
 (P-1)/(M+P-1); the price is the recomputed forward in every backward (HFU > MFU).
 
-Limits: one chunk per stage (no circular repeats) and ZeRO 0/1 (a ZeRO-3 head would have to be
-gathered inside the pipeline); config validation says so.
+What the other schedules take, this one takes too:
+- MoE blocks: the stage returns, beside its output, its share of the router losses (the balancing
+  and z losses of its layers on this microbatch, weighted as `transformer.moe_loss` weighs them in
+  the mean over layers and microbatches). That share is a scalar output of the stage, so its
+  cotangent is 1 in every backward and the routers' gradients come out of the same VJP. The
+  routing statistics of the forward ticks are combined over microbatches and batch shards as
+  GPipe combines them (pipeline.run_pipeline).
+- FP8: the stage's FP8 state enters each backward's VJP as fm32 and its "cotangent" is the new
+  state (fp8.py); the ticks combine the new states by max, and a bubble tick contributes the max's
+  identity (-inf), so it never writes a scale or an amax. The forward ticks only read the state: a
+  backward recomputes the same forward from the same input, so the amaxes it records are the
+  forward's too. The head's FP8 state (fp8.logits) is combined the same way. Every FP8 dot inside
+  the shard_map reduces its amax over the batch axes (`amax_axes`), so the state is the whole
+  microbatch's, as on one device.
+- ZeRO-3: each stage gathers its weights over `data` once per step, before the tick loop (as
+  GPipe), and reduce-scatters their gradient once, after it.
+
+Gradients are reduced once per step, after the tick loop: every device's loss is its share of
+the global mean (1/(M x batch shards) of its rows' mean per microbatch), so a weight's gradient is
+the sum over the batch axes it is replicated on (a reduce-scatter over `data` for a ZeRO-3 weight,
+nothing over `expert` for an expert's weight, whose gradient already holds every shard's tokens
+through the all-to-all's transpose). Scaling the share in, rather than averaging after, keeps
+every cotangent inside the loop the global loss's: FP8's gradient amaxes are one device's.
+
+Limits: one chunk per stage (no circular repeats); config validation says so.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from parallax.parallel.mesh import PIPE
-from parallax.model.transformer import Transformer
-from parallax.model.logical import keep_axes, vary
+from parallax.model.fp8 import FP8_COLLECTION, META_DTYPE, padding_value
+from parallax.model.transformer import Transformer, moe_stat_shapes
+from parallax.model.logical import entry_axes, keep_axes, vary, varying_axes
+from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
-from parallax.parallel.pipeline import stage_fn, unit_mask
+from parallax.parallel.pipeline import stage_fn, to_layer_major, to_stages, unit_mask
 from parallax.parallel.sharding import BATCH_AXES
+
+_NOTHING = -jnp.inf  # fm32's zero: the identity of the max that combines FP8 states
+
+
+def _as_meta(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.lax.convert_element_type(x, META_DTYPE), tree)
+
+
+def _nothing_like(tree: Any) -> Any:
+    """The FP8 'no new state' of a bubble tick: -inf, typed (varying) as `tree`."""
+    return jax.tree.map(lambda x: vary(jnp.full(x.shape, _NOTHING, jnp.float32), sorted(varying_axes(x))), tree)
+
+
+def _spec_axes(spec: P) -> set[str]:
+    return {a for entry in spec for a in entry_axes(entry)}
+
+
+def _gather(c: jax.Array, spec: P) -> jax.Array:
+    """A stage's weight [1, 1, Lc, ...] -> [Lc, ...], gathered over `data` where ZeRO-3 stores it
+    sharded (expert weights stay sharded over `expert`: each device runs its own experts)."""
+    c = c[0, 0]
+    for dim, entry in enumerate(spec):
+        if DATA in entry_axes(entry) and dim >= 2:
+            c = jax.lax.all_gather(c, DATA, axis=dim - 2, tiled=True)
+    return c
+
+
+def _reduce(g: jax.Array, spec: P) -> jax.Array:
+    """The gradient of a gathered stage weight [Lc, ...] -> its stored shard [1, 1, Lc, ...]: the
+    sum over the batch axes it is replicated on (module docstring), reduce-scattered over `data`
+    under ZeRO-3."""
+    stored = _spec_axes(spec)
+    for dim, entry in enumerate(spec):
+        if DATA in entry_axes(entry) and dim >= 2:
+            g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim - 2, tiled=True)
+    replicated = tuple(a for a in BATCH_AXES if a not in stored)
+    if replicated:
+        g = jax.lax.psum(g, replicated)
+    return g[None, None]
 
 
 def make_1f1b_value_and_grad(
@@ -42,101 +106,153 @@ def make_1f1b_value_and_grad(
     mesh: jax.sharding.Mesh,
     layer_specs: Any,
     batch_shards: int,
-) -> Callable[[Any, dict], tuple[jax.Array, Any]]:
-    """(params with stage-layout 'layers', batch) -> (mean loss, gradients like params).
+) -> Callable[[Any, dict, Any], tuple[tuple[jax.Array, tuple[jax.Array, dict]], tuple[Any, Any]]]:
+    """(params with stage-layout 'layers', batch, FP8 state or {}) -> ((loss, (cross-entropy, MoE
+    stats)), (gradients like params, new FP8 state)): train_step.make_value_and_grad's contract.
     `batch_shards`: Parallelism.batch_shards, the devices the batch is split over."""
     p, m = sched.stages, sched.microbatches
     slots = 2 * p
     manual = {PIPE, *BATCH_AXES}
+    c = model.cfg
+    units = sched.units or c.n_layers
+    # Each device's loss is its share of the global one: the mean over microbatches and batch
+    # shards is in the weights, so every cotangent (the E5M2 gradients' amaxes too) is the global
+    # loss's, as on one device, and the reductions below are plain sums.
+    share = 1.0 / (m * batch_shards)
+    # Router losses per stage: transformer.moe_loss's mean over MoE layers, microbatches and shards
+    moe_weights = {"aux_loss": c.moe.aux_loss_weight * share / units, "z_loss": c.moe.z_loss_weight * share / units}
     with_stats = stage_fn(model)
-    # (config refuses MoE and FP8 with 1F1B: no stats, no FP8 state)
+    head_model = model
+    if model.logits_dot_general is not None:  # the head runs inside the shard_map: global amaxes
+        head_model = model.clone(logits_dot_general=_with_amax_axes(model.logits_dot_general))
     fwd_ring = [(i, (i + 1) % p) for i in range(p)]
     bwd_ring = [((i + 1) % p, i) for i in range(p)]
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
+    stat_shapes = moe_stat_shapes(c, layers_per_chunk=sched.chunk_units)
 
-    def head_loss(outer: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-        return model.apply({"params": outer}, y, targets, method=Transformer.head_loss) / m  # summed over microbatches below
+    def head_loss(outer: Any, head_fp8: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
+        # float32 in, fm32 inside (fp8.fp8_variables): `grad` takes no fm32 argument
+        variables = {"params": outer, **({FP8_COLLECTION: _as_meta(head_fp8)} if head_fp8 else {})}
+        return head_model.apply(variables, y, targets, method=Transformer.head_loss) * share  # summed below
 
-    def body(chunks, outer, micro_x, micro_t):
+    def body(chunks, outer, micro_x, micro_t, fp8_chunks, head_fp8):
         s = jax.lax.axis_index(PIPE)
         # Everything a gradient is taken of is marked varying over the batch axes up front, so no
-        # implicit reduction lands inside the loop; gradients are averaged over them once, below.
-        chunk = jax.tree.map(lambda c: vary(c[0, 0], BATCH_AXES), chunks)  # [1, 1, Lc, ...] -> [Lc, ...]
+        # implicit reduction lands inside the loop; gradients are reduced over them once, below.
+        chunk = jax.tree.map(lambda w, spec: vary(_gather(w, spec), BATCH_AXES), chunks, param_specs,
+                             is_leaf=lambda a: isinstance(a, P))
+        fp8_chunk = jax.tree.map(lambda f: f[0, 0], fp8_chunks) or None  # [1, 1, Lc, ...] -> [Lc, ...]
+        head_fp8 = jax.tree.map(lambda f: vary(f, (PIPE,)), head_fp8)
         mask = unit_mask(sched, s)  # uneven stages: this stage's padding slots pass through
 
-        def stage(chunk: Any, x: jax.Array) -> jax.Array:
-            return with_stats(chunk, x, None, mask)[0]
+        def stage(chunk: Any, fp8: Any, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], dict]:
+            y, stats = with_stats(chunk, x, _as_meta(fp8), mask)  # fm32 inside, as fp8_variables
+            router = sum(w * jnp.sum(stats[k]) for k, w in moe_weights.items() if k in stats)
+            return (y, vary(jnp.asarray(router, jnp.float32), (*BATCH_AXES, PIPE))), stats
 
         outer = jax.tree.map(lambda o: vary(o, (*BATCH_AXES, PIPE)), outer)
         micro_x, micro_t = vary(micro_x, (PIPE,)), vary(micro_t, (PIPE,))
         zeros_x = jnp.zeros_like(micro_x[0])
+        varying = lambda a: vary(a, (*BATCH_AXES, PIPE))  # noqa: E731
 
         def tick(carry, t):
-            recv_f, recv_b, buf, g_chunk, g_outer, loss, dx_all = carry
+            recv_f, recv_b, buf, g_chunk, g_outer, new_fp8, new_head_fp8, ce, router, acc, dx_all = carry
             f_busy, i_f, b_busy, i_b = sched.one_f_one_b_work(t, s)
             i_f, i_b = jnp.clip(i_f, 0, m - 1), jnp.clip(i_b, 0, m - 1)
-            # forward
+            # forward (it reads the FP8 state; the backward's recomputation records it)
             inp = jnp.where(s == 0, jax.lax.dynamic_index_in_dim(micro_x, i_f, keepdims=False), recv_f)
-            out = jax.lax.cond(f_busy, lambda x: stage(chunk, x), jnp.zeros_like, inp)
+
+            def forward(x):
+                (y, r), stats = stage(chunk, fp8_chunk, x)
+                return y, r, {k: stats[k].astype(jnp.float32) for k in stat_shapes}
+
+            def no_forward(x):
+                return (jnp.zeros_like(x), varying(jnp.zeros((), jnp.float32)),
+                        {k: varying(jnp.zeros(shape, jnp.float32)) for k, shape in stat_shapes.items()})
+
+            out, r_value, stats = jax.lax.cond(f_busy, forward, no_forward, inp)
+            acc = {k: acc[k] + v for k, v in stats.items()}
             buf = jnp.where(f_busy, jax.lax.dynamic_update_index_in_dim(buf, inp, i_f % slots, 0), buf)
             # loss head on the last stage, straight into its backward
             targets = jax.lax.dynamic_index_in_dim(micro_t, i_f, keepdims=False)
 
             def head(args):
                 y, tg = args
-                value, (d_outer, dy) = jax.value_and_grad(head_loss, argnums=(0, 1))(outer, y, tg)
-                return value, d_outer, dy
+                value, (d_outer, d_fp8, dy) = jax.value_and_grad(head_loss, argnums=(0, 1, 2))(outer, head_fp8, y, tg)
+                return value, d_outer, d_fp8, dy
 
             def no_head(args):
-                zero = vary(jnp.zeros((), jnp.float32), (*BATCH_AXES, PIPE))  # same type as the loss
-                return zero, jax.tree.map(jnp.zeros_like, outer), jnp.zeros_like(args[0])
+                return (varying(jnp.zeros((), jnp.float32)), jax.tree.map(jnp.zeros_like, outer),
+                        _nothing_like(head_fp8), jnp.zeros_like(args[0]))
 
-            value, d_outer, dy = jax.lax.cond(f_busy & (s == p - 1), head, no_head, (out, targets))
+            value, d_outer, d_head_fp8, dy = jax.lax.cond(f_busy & (s == p - 1), head, no_head, (out, targets))
             # backward: recompute the stage from its buffered input, apply the received cotangent
             cot = jnp.where(s == p - 1, dy, recv_b)
             saved = jax.lax.dynamic_index_in_dim(buf, i_b % slots, keepdims=False)
 
             def backward(args):
-                x, c = args
-                return jax.vjp(stage, chunk, x)[1](c)
+                x, ct = args
+                _, vjp = jax.vjp(lambda w, f, h: stage(w, f, h)[0], chunk, fp8_chunk, x)
+                d_chunk, d_fp8, dx = vjp((ct, varying(jnp.ones((), jnp.float32))))  # router losses: weight 1
+                return d_chunk, d_fp8, dx
 
             def no_backward(args):
-                return jax.tree.map(jnp.zeros_like, chunk), jnp.zeros_like(args[0])
+                return jax.tree.map(jnp.zeros_like, chunk), _nothing_like(fp8_chunk), jnp.zeros_like(args[0])
 
-            d_chunk, dx = jax.lax.cond(b_busy, backward, no_backward, (saved, cot))
-            g_chunk = jax.tree.map(jnp.add, g_chunk, d_chunk)
+            d_chunk, d_fp8, dx = jax.lax.cond(b_busy, backward, no_backward, (saved, cot))
+            # weight gradients accumulate in float32 whatever the compute dtype
+            g_chunk = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), g_chunk, d_chunk)
             g_outer = jax.tree.map(jnp.add, g_outer, d_outer)
+            new_fp8 = jax.tree.map(jnp.maximum, new_fp8, d_fp8)
+            new_head_fp8 = jax.tree.map(jnp.maximum, new_head_fp8, d_head_fp8)
             done = b_busy & (s == 0)
             prev = jax.lax.dynamic_index_in_dim(dx_all, i_b, keepdims=False)
             dx_all = jax.lax.dynamic_update_index_in_dim(dx_all, jnp.where(done, dx, prev), i_b, 0)
             sent_f = jax.lax.ppermute(out, PIPE, fwd_ring)
             sent_b = jax.lax.ppermute(dx, PIPE, bwd_ring)
-            return (sent_f, sent_b, buf, g_chunk, g_outer, loss + value, dx_all), None
+            return (sent_f, sent_b, buf, g_chunk, g_outer, new_fp8, new_head_fp8, ce + value, router + r_value,
+                    acc, dx_all), None
 
         init = (
             zeros_x, zeros_x, jnp.zeros((slots, *zeros_x.shape), zeros_x.dtype),
-            jax.tree.map(jnp.zeros_like, chunk), jax.tree.map(jnp.zeros_like, outer),
-            jnp.zeros((), jnp.float32), jnp.zeros_like(micro_x),
+            jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), chunk), jax.tree.map(jnp.zeros_like, outer),
+            None, None, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+            {k: jnp.zeros(shape, jnp.float32) for k, shape in stat_shapes.items()}, jnp.zeros_like(micro_x),
         )
-        init = jax.tree.map(lambda a: vary(a, (*BATCH_AXES, PIPE)), init)  # loop carries vary everywhere
+        init = jax.tree.map(varying, init)  # loop carries vary everywhere
+        # ... but the FP8 states vary as the state itself does: over `pipe` only (fp8.quantize's pmax)
+        init = (*init[:5], _nothing_like(fp8_chunk), _nothing_like(head_fp8), *init[7:])
         carry, _ = jax.lax.scan(tick, init, jnp.arange(sched.ticks))
-        _, _, _, g_chunk, g_outer, loss, dx_all = carry
-        # Data parallelism: every shard's loss is a mean over its own rows, so the global loss and
-        # the weight gradients are means over the batch axes (one all-reduce each, after the loop).
-        # dx stays per shard: it is the cotangent of this shard's own embedding rows.
-        g_chunk = jax.tree.map(lambda g: jax.lax.pmean(g, BATCH_AXES)[None, None], g_chunk)
-        g_outer = jax.tree.map(lambda g: jax.lax.psum(jax.lax.pmean(g, BATCH_AXES), PIPE), g_outer)
-        loss = jax.lax.psum(jax.lax.pmean(loss, BATCH_AXES), PIPE)  # only the last stage summed
-        dx_all = jax.lax.psum(dx_all, PIPE) / batch_shards  # only stage 0 wrote; mean over shards
-        return loss, g_chunk, g_outer, dx_all
+        _, _, _, g_chunk, g_outer, new_fp8, new_head_fp8, ce, router, acc, dx_all = carry
+        g_chunk = jax.tree.map(_reduce, g_chunk, param_specs,
+                               is_leaf=lambda a: isinstance(a, P))
+        # The embedding/head gradients: replicated weights, one all-reduce (only the last stage's
+        # head and stage 0's embedding cotangent are non-zero over `pipe`).
+        # (over the batch axes, then over `pipe`: one reduction over both would be one all-reduce
+        # over every device, not the two small groups the cost model counts)
+        total = lambda v: jax.lax.psum(jax.lax.psum(v, BATCH_AXES), PIPE)  # noqa: E731
+        g_outer = jax.tree.map(total, g_outer)
+        ce = total(ce)  # only the last stage summed
+        router = total(router)
+        dx_all = jax.lax.psum(dx_all, PIPE)  # only stage 0 wrote
+        # Per-token means average over microbatches and the (equal) batch shards; counts add.
+        acc = {k: (jax.lax.psum(v, BATCH_AXES) if k == "load" else jax.lax.pmean(v / m, BATCH_AXES))[None]
+               for k, v in acc.items()}  # [Lc, ...] -> [1 (this stage), Lc, ...]
+        new_fp8 = jax.tree.map(lambda f: f[None, None], new_fp8)
+        new_head_fp8 = jax.tree.map(lambda f: jax.lax.pmax(f, PIPE), new_head_fp8)  # only the last stage's
+        return ce, router, acc, g_chunk, g_outer, new_fp8, new_head_fp8, dx_all
 
     act = P(None, BATCH_AXES)
-    in_specs = (param_specs, P(), act, act)
-    out_specs = (P(), param_specs, P(), act)
+    stacked = P(None, PIPE)
+    in_specs = (param_specs, P(), act, act, stacked, P())
+    out_specs = (P(), P(), P(PIPE), param_specs, P(), stacked, P(), act)
     piped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)
 
-    def value_and_grad(params: Any, batch: dict) -> tuple[jax.Array, Any]:
+    def value_and_grad(params: Any, batch: dict, fp8: Any = None):
         outer = {k: v for k, v in params.items() if k != "layers"}
+        fp8 = fp8 or {}
+        stack_fp8 = to_stages(fp8["layers"], sched, fill=padding_value) if "layers" in fp8 else {}
+        head_fp8 = {k: v for k, v in fp8.items() if k != "layers"}
         tokens, targets = batch["inputs"], batch["targets"]
         b, t = tokens.shape
         embed = lambda o: model.apply({"params": o}, tokens, method=Transformer.embed_tokens)  # noqa: E731
@@ -145,9 +261,19 @@ def make_1f1b_value_and_grad(
         # [B, ...] -> [B/M, M, ...] -> [M, B/M, ...]: microbatch i takes rows i, i+M, ... (pipeline.py)
         micro_x = x.reshape(b // m, m, t, d).swapaxes(0, 1)
         micro_t = targets.reshape(b // m, m, t).swapaxes(0, 1)
-        loss, g_layers, g_head, dx = piped(params["layers"], outer, micro_x, micro_t)
+        ce, router, stats, g_layers, g_head, new_stack_fp8, new_head_fp8, dx = piped(
+            params["layers"], outer, micro_x, micro_t, stack_fp8, head_fp8)
         (g_embed,) = embed_vjp(dx.swapaxes(0, 1).reshape(b, t, d))
         grads = jax.tree.map(jnp.add, g_head, g_embed)  # a tied table gets both contributions
-        return loss, {**grads, "layers": g_layers}
+        stats = {k: v.reshape(-1, *v.shape[2:])[:sched.units or None] for k, v in stats.items()}  # layer-major
+        new_fp8 = dict(new_head_fp8)
+        if "layers" in fp8:
+            new_fp8["layers"] = to_layer_major(new_stack_fp8, sched.units)
+        return (ce + router, (ce, stats)), ({**grads, "layers": g_layers}, new_fp8)
 
     return value_and_grad
+
+
+def _with_amax_axes(factory: Any) -> Any:
+    """An FP8 dot factory whose amaxes are reduced over the batch axes (pipeline.stage_fn's hook)."""
+    return functools.partial(factory, amax_axes=tuple(BATCH_AXES))

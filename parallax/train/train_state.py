@@ -54,8 +54,9 @@ class Layout:
     # (params, tokens [B, T], targets [B, T], FP8 collection (fm32) or None, **packed documents:
     # [B, T] arrays, data.DOC_KEYS: not pipelined, parallelism.RULES) -> (mean cross-entropy, MoE stats)
     apply: Callable[..., tuple[jax.Array, dict]]
-    # (params, batch) -> (loss, grads) for schedules that compute their own gradients (1F1B).
-    value_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]] | None = None
+    # (params, batch, FP8 state) -> ((loss, (cross-entropy, MoE stats)), (grads, new FP8 state)) for
+    # schedules that compute their own gradients (1F1B): train_step.make_value_and_grad's contract.
+    value_and_grad: Callable[[Any, dict, Any], tuple[tuple[jax.Array, Any], tuple[Any, Any]]] | None = None
     parallelism: Parallelism | None = None  # the checked rules it was laid out under
 
     @property

@@ -58,8 +58,7 @@ def make_value_and_grad(layout: Layout) -> Callable[[Any, Batch, Any], tuple[tup
 
         def own(params: Any, batch: Batch, fp8: Any) -> tuple[tuple[jax.Array, Aux], tuple[Any, Any]]:
             with logical_context(layout.mesh, layout.rules):
-                loss, grads = layout.value_and_grad(params, batch)
-            return (loss, (loss, {})), (grads, fp8)
+                return layout.value_and_grad(params, batch, fp8)
 
         return own
     return jax.value_and_grad(make_loss_fn(layout), argnums=(0, 2), has_aux=True)
