@@ -46,7 +46,8 @@ LAYOUTS = {
     "gpipe_moe_d2_p2_e2": (MOE4, MeshConfig(data=2, pipe=2, expert=2), ParallelConfig(microbatches=2)),
     # 1F1B: the state threaded through the per-tick VJPs (pipeline_1f1b.py), the head's too
     "1f1b_uneven_d2_t2_p2": (DENSE3, MeshConfig(data=2, tensor=2, pipe=2), ParallelConfig(microbatches=2, schedule="1f1b")),
-    "1f1b_moe_d2_p2_e2": (MOE4, MeshConfig(data=2, pipe=2, expert=2), ParallelConfig(microbatches=2, schedule="1f1b")),
+    "1f1b_moe_d2_p2_e2_zero3": (MOE4, MeshConfig(data=2, pipe=2, expert=2),
+                                ParallelConfig(microbatches=2, schedule="1f1b", zero=3)),
 }
 LOSS_RTOL, STATE_RTOL = 1e-6, 1e-5
 # `current` per microbatch against one whole-batch scale: FP8 rounding of different scales

@@ -169,6 +169,25 @@ def _restore(new: tuple, like: tuple) -> tuple:
 # The FP8 dot and its VJP
 
 
+def _to_bits(q: jax.Array) -> jax.Array:
+    """An FP8 residual as its raw bytes (uint8; a bitcast, no copy in the compiled step).
+
+    Why: a remat policy that *saves* a residual (ZeRO-3's `none`, transformer.remat_policy, which
+    saves everything but the gathered weights) makes jax.checkpoint insert `reduce_precision(x,
+    finfo(x.dtype).nexp, .nmant)` on the residual's producer (jax/_src/ad_checkpoint.py,
+    `_insert_reduce_precision`, jax 0.10.2), so every use of it, the forward matmul's too, reads
+    the rounded value. XLA's reduce_precision is IEEE-like: for E4M3FN (no infinities, finite up
+    to 448) it turns the top binade [256, 448] into NaN and flushes the subnormals (< 2^-6) to
+    zero (seen on XLA:CPU). Delayed scaling puts the amax on 448: a NaN loss from the second
+    step on; at the first step's scale of 1 small weights are subnormal: a wrong loss already.
+    An integer residual is left alone (tests/test_fp8.py, the ZeRO-3 remat `none` test)."""
+    return lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def _from_bits(b: jax.Array, dtype: Any) -> jax.Array:
+    return lax.bitcast_convert_type(b, dtype)
+
+
 def _dot_fwd(x, w, x_meta, w_meta, g_meta, st: _Static):
     if st.param is not None:
         w = st.param.weight(w)  # the compute-dtype copy, quantised from as without `param`
@@ -177,13 +196,15 @@ def _dot_fwd(x, w, x_meta, w_meta, g_meta, st: _Static):
     sx, sw = x_new[0], w_new[0]
     y = lax.dot_general(qx, qw, st.dims, preferred_element_type=jnp.float32)  # fp32 accumulation
     y = (y * jnp.broadcast_to(sx * sw, y.shape)).astype(st.out_dtype)
-    # Residuals are the FP8 operands (1 byte per element), not the high-precision ones.
-    res = (qx, qw, sx, sw, _restore(x_new, x_meta), _restore(w_new, w_meta), g_meta)
+    # Residuals are the FP8 operands (1 byte per element), not the high-precision ones, as raw
+    # bits (_to_bits: a remat policy that saves them would otherwise corrupt them).
+    res = (_to_bits(qx), _to_bits(qw), sx, sw, _restore(x_new, x_meta), _restore(w_new, w_meta), g_meta)
     return y, res
 
 
 def _dot_bwd(st: _Static, res, g):
-    qx, qw, sx, sw, x_new, w_new, g_meta = res
+    bx, bw, sx, sw, x_new, w_new, g_meta = res
+    qx, qw = _from_bits(bx, E4M3), _from_bits(bw, E4M3)
     qg, g_new = quantize(g, g_meta, E5M2, st)
     sg = g_new[0]
     # FP8 operands kept FP8 (lax's own transpose rule would ask for an FP8 result), float32
