@@ -119,6 +119,11 @@ def _out_of_memory(e: BaseException) -> bool:
 _SUBCOMMANDS = (
     ("parallax.analysis.audit", "audit"),
     ("parallax.analysis.plan", "plan"),
+    ("parallax.train.prepare", "prepare"),
+    ("parallax.interop.hf", "import-hf"),
+    ("parallax.interop.hf", "export-hf"),
+    ("parallax.infer.sample", "sample"),
+    ("parallax.infer.evaluate", "eval"),
 )
 
 # Libraries' own lines around parallax's one line (Orbax's absl errors for a failed save, its

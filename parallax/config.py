@@ -135,12 +135,23 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # "stdlib" or a path to a flat binary token file
+    """What the input pipeline (train/input.py) reads: one source or a weighted mixture of them."""
+
+    # "stdlib" (the built-in corpus), a flat binary token file, or a prepared directory (`parallax prepare`)
+    source: str = "stdlib"
+    # a mixture: several sources as above, each drawn with its weight (share of windows, so of tokens);
+    # when set, data.source stays at its default ("stdlib" is then named here if wanted)
+    sources: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()  # one positive weight per data.sources entry; () gives equal weights
+    shuffle: bool = True  # a seeded shuffle of each source's windows, reshuffled every epoch; False: in order
+    prefetch: int = 2  # batches prepared ahead in background threads while the step runs; 0: on the loop's thread
+    read_threads: int = 1  # threads preparing them (with prefetch > 0)
     token_dtype: str = "uint16"  # uint16 | uint32, for token files
     val_fraction: float = 0.05  # token files: the last fraction of tokens is validation
     # Packed documents (data.py): >= 0 turns document separation on. Token files: every occurrence
     # of this id ends a document. The built-in corpus: must be 0, the NUL byte appended after each
     # source file (no Python source holds one). -1: no boundaries, one token stream (as before).
+    # A prepared directory's manifest names its id: -1 takes it, another value must equal it.
     eod_id: int = -1
 
 
@@ -204,11 +215,22 @@ def _field_types(cls: type) -> dict[str, typing.Any]:
 
 
 def _coerce(key: str, raw: str, expected: typing.Any) -> typing.Any:
-    """Parse `raw` as a literal of the field's declared type (strings may be left unquoted)."""
+    """Parse `raw` as a literal of the field's declared type (strings may be left unquoted; a
+    tuple field takes a literal list or tuple, or bare comma-separated items: `a,b`)."""
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         value = raw  # a bare word such as `--set data.source=stdlib`
+    if typing.get_origin(expected) is tuple:  # tuple[X, ...]: each item an X
+        item = typing.get_args(expected)[0]
+        if isinstance(value, (tuple, list)):
+            return tuple(_typed(key, v, v if isinstance(v, str) else repr(v), item) for v in value)
+        return tuple(_coerce(key, p.strip(), item) for p in raw.split(",")) if raw else ()
+    return _typed(key, value, raw, expected)
+
+
+def _typed(key: str, value: typing.Any, raw: str, expected: type) -> typing.Any:
+    """`value` (parsed from `raw`) as the field type `expected`, or the error naming `key`."""
     if expected is bool:
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
@@ -326,7 +348,8 @@ FIELD_RANGES: dict[str, tuple] = {
     "optim.b1": _UNIT_OPEN_1, "optim.b2": _UNIT_OPEN_1, "optim.eps": _POS,
     "optim.decay_fraction": (0.0, 1.0, True, False),
     "optim.muon_beta": _UNIT_OPEN_1, "optim.muon_ns_steps": _SIZE, "optim.muon_rms": _POS,
-    "data.val_fraction": (0.0, 1.0, True, True),
+    "data.val_fraction": (0.0, 1.0, True, True), "data.prefetch": (0, 1024, False, False),
+    "data.read_threads": (1, 64, False, False),
     "data.eod_id": (-1, 2**32 - 1, False, False),
     **{f"train.{k}": _SIZE for k in ("steps", "global_batch", "seq_len", "eval_batches", "log_every", "max_bad_steps",
                                      "grad_accum")},
@@ -367,17 +390,41 @@ def check_fields(cfg: Config) -> None:
 TOKEN_DTYPES = ("uint16", "uint32")
 
 
+def data_sources(d: DataConfig) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """(sources, weights) the input reads: data.sources with data.weights (equal when empty), or
+    data.source alone with weight 1 (every config before mixtures)."""
+    if not d.sources:
+        return (d.source,), (1.0,)
+    return d.sources, d.weights or (1.0,) * len(d.sources)
+
+
 def check_data(cfg: Config) -> None:
     """The data settings against the model (the layout's rules are parallelism.py's): checked
-    before JAX starts and again where the data is opened (data.open_data)."""
-    if cfg.data.token_dtype not in TOKEN_DTYPES:
-        raise ConfigError(f"data.token_dtype: must be 'uint16' or 'uint32', got {cfg.data.token_dtype!r}")
-    if cfg.data.source == "stdlib" and cfg.model.vocab_size < 256:
+    before JAX starts and again where the data is opened (input.open_input). What needs the files
+    (a prepared directory's vocabulary and end-of-document id) is input.resolve_data's."""
+    d = cfg.data
+    if d.token_dtype not in TOKEN_DTYPES:
+        raise ConfigError(f"data.token_dtype: must be 'uint16' or 'uint32', got {d.token_dtype!r}")
+    if d.sources and d.source != DataConfig.source:
+        raise ConfigError(f"data.source={d.source!r} and data.sources={list(d.sources)}: set one of them "
+                          "(a mixture lists every source in data.sources)")
+    if d.weights and len(d.weights) != len(d.sources):
+        raise ConfigError(f"data.weights: {len(d.weights)} weights for {len(d.sources)} data.sources; give one per "
+                          "source (or none: equal weights)")
+    for i, w in enumerate(d.weights):
+        if not (math.isfinite(w) and w > 0):
+            raise ConfigError(f"data.weights[{i}]: must be a finite number > 0, got {w}")
+    sources, _ = data_sources(d)
+    for i, src in enumerate(sources):
+        if not src:
+            raise ConfigError(f"data.sources[{i}]: an empty path" if d.sources else "data.source: an empty path")
+    stdlib = "stdlib" in sources
+    if stdlib and cfg.model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} must be >= 256 for data.source='stdlib' (bytes)")
-    eod = cfg.data.eod_id
+    eod = d.eod_id
     if eod >= cfg.model.vocab_size:
         raise ConfigError(f"data.eod_id={eod} must be < model.vocab_size={cfg.model.vocab_size} (or -1: no documents)")
-    if cfg.data.source == "stdlib" and eod not in (-1, 0):
+    if stdlib and eod not in (-1, 0):
         raise ConfigError(f"data.eod_id={eod}: the built-in corpus 'stdlib' marks documents with byte 0 "
                           "(data.eod_id=0) or not at all (-1)")
 
@@ -504,8 +551,16 @@ def _check_fields(obj: typing.Any, prefix: str) -> None:
                 raise ConfigError(f"{key}: expected {expected.__name__}, got {type(value).__name__}")
             _check_fields(value, key + ".")
             continue
-        ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
+        if typing.get_origin(expected) is tuple:  # tuple[X, ...]: a tuple (not a list: the config is hashable) of X
+            item = typing.get_args(expected)[0]
+            if not isinstance(value, tuple) or not all(_holds(v, item) for v in value):
+                raise ConfigError(f"{key}: expected a tuple of {item.__name__}, got {value!r}")
+        elif not _holds(value, expected):
             raise ConfigError(f"{key}: expected {expected.__name__}, got {value!r}")
+
+
+def _holds(value: typing.Any, expected: type) -> bool:
+    """`value` is of the field type `expected` (bool is not an int; an int is a float)."""
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return True
+    return isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))

@@ -16,9 +16,9 @@ ORDER = [
     "model.logical", "model.layers", "model.vocab", "model.attention", "model.fp8", "model.moe", "model.transformer",
     "parallel.mesh", "parallel.targets", "parallel.sharding", "parallel.expert_parallel", "parallel.pipeline", "parallel.pipeline_1f1b",
     "train.distributed", "train.optim", "train.train_state",
-    "train.tokenizer", "train.prepare", "train.data", "train.input", "train.train_step", "train.build",
+    "train.tokenizer", "train.sources", "train.prepare", "train.data", "train.input", "train.train_step", "train.build",
     "train.checkpoint", "train.metrics", "train.tracker", "train.goodput", "train.profiler", "train.loop",
-    "interop.hf", "infer.decode", "infer.sample", "infer.evaluate",
+    "interop.hf_layout", "interop.hf", "infer.decode", "infer.sample", "infer.evaluate",
     "analysis.cost", "analysis.collectives", "analysis.hlo", "analysis.audit", "analysis.presets", "analysis.plan",
     "cli", "__main__",
 ]

@@ -9,6 +9,12 @@ probabilities of [B, N, T, T] for the backward pass: at 4 x 4,096 tokens and 32 
 attention_chunk) runs it over blocks of query positions under a checkpoint instead, each block
 against every key with the causal mask: the same arithmetic and FLOPs, one block's scores live
 ([B, N, chunk, T]), each block's recomputed in the backward pass.
+
+`decode` (sampling, infer/decode.py): keys and values go into a fixed-size cache, the "cache"
+collection's `key` and `value` [B, S, K, H] (sharded like any [B, T, K, H] activation: kv heads
+over tensor) and `index` (positions written so far). A call on [B, T] tokens writes positions
+index..index+T-1 and attends to every cached key up to each query's position: the prompt once
+(prefill), then one token per call. The training path never creates the collection.
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ class Attention(nn.Module):
     grad_dtype: Any = "float32"  # weight gradients' dtype (layers.param_matmul)
     placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer)
     chunk: int = 0  # query positions per attention block (parallel.attention_chunk); 0: all T
+    decode: bool = False  # read and extend the KV cache (module docstring); the cache's S is its init T
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
@@ -103,13 +110,19 @@ class Attention(nn.Module):
         q = qkv[:, :, :, :g].reshape(b, t, n, h)  # [B, T, K, G, H] -> [B, T, N, H], head = k * G + g
         heads_names = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
         kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
+        if self.decode:  # the cache's next positions, the same in every row
+            index = self.variable("cache", "index", nn.with_logical_partitioning(lambda: jnp.zeros((), jnp.int32), ()))
+            positions = jnp.broadcast_to(index.value + jnp.arange(t, dtype=jnp.int32), (b, t))
         q = constrain(apply_rope(q, self.rope_theta, positions), heads_names)  # [B, T, N, H]
         key = constrain(apply_rope(qkv[:, :, :, g], self.rope_theta, positions), kv_names)  # [B, T, K, H]
         value = constrain(qkv[:, :, :, g + 1], kv_names)  # [B, T, K, H]
         if segment_ids is not None:
             segment_ids = constrain(segment_ids, ("activation_batch", "activation_length"))
         # Grouped-query attention: query head i reads kv head i // (N / K). Softmax in float32.
-        out = causal_attention(q, key, value, self.chunk, segment_ids)  # [B, T, N, H]
+        if self.decode:
+            out = self._attend_cached(q, key, value, index, kv_names)
+        else:
+            out = causal_attention(q, key, value, self.chunk, segment_ids)  # [B, T, N, H]
         out = constrain(out, heads_names)
         y = Dense(
             (d_model,), ("heads", "kv", "embed"), contract=2, init_std=self.out_std, dtype=self.dtype,
@@ -120,3 +133,23 @@ class Attention(nn.Module):
         # or its tensor all-reduce; the kernel's own output would not spare the recomputation of
         # q, k, v and the scores, which the attention's backward needs anyway.
         return checkpoint_name(y, ATTN_OUT)
+
+    def _attend_cached(self, q: jax.Array, key: jax.Array, value: jax.Array, index: Any,
+                       kv_names: tuple[str, ...]) -> jax.Array:
+        """q [B, T, N, H], this call's key and value [B, T, K, H] -> [B, T, N, H] over the cache.
+        At init the cache is made with this call's shape (its S is the init's T) and left empty."""
+        # Boxed with logical names, so that the caller reads the cache's shardings off its init.
+        init = nn.with_logical_partitioning(lambda: jnp.zeros(key.shape, key.dtype), kv_names)
+        cached_key, cached_value = self.variable("cache", "key", init), self.variable("cache", "value", init)
+        if self.is_initializing():
+            return causal_attention(q, key, value)
+        start = index.value
+        t, s = q.shape[1], cached_key.value.shape[1]
+        # The caller keeps start + T <= S: dynamic_update_slice would clamp the start silently.
+        cached_key.value = constrain(jax.lax.dynamic_update_slice(cached_key.value, key, (0, start, 0, 0)), kv_names)
+        cached_value.value = constrain(jax.lax.dynamic_update_slice(cached_value.value, value, (0, start, 0, 0)),
+                                       kv_names)
+        index.value = start + t
+        # query i (position start + i) sees cached keys 0..start + i; later slots are empty or stale
+        mask = (jnp.arange(s)[None, :] <= start + jnp.arange(t)[:, None])[None, None]  # [1, 1, T, S]
+        return jax.nn.dot_product_attention(q, cached_key.value, cached_value.value, mask=mask)

@@ -85,6 +85,7 @@ class Block(nn.Module):
     placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer); None: parameters only cast
     exchange: Exchange = LOCAL  # the MoE layer's expert exchange (expert_parallel.py injects its own)
     attention_chunk: int = 0  # query positions per attention block (attention.causal_attention)
+    decode: bool = False  # attention reads and extends its KV cache (attention.py; infer/decode.py)
 
     @nn.compact
     def __call__(self, x: jax.Array, docs: Docs = None) -> tuple[jax.Array, Stats]:
@@ -94,7 +95,7 @@ class Block(nn.Module):
         h = constrain(RMSNorm(c.norm_eps, dtype, self.placer, name="attn_norm")(x), NORMED)
         x = x + Attention(
             c.n_heads, c.n_kv_heads, c.d_model // c.n_heads, c.rope_theta, c.init_std, out_std, dtype,
-            self.dot_general, self.grad_dtype, self.placer, self.attention_chunk, name="attn",
+            self.dot_general, self.grad_dtype, self.placer, self.attention_chunk, self.decode, name="attn",
         )(h, *(docs or ()))
         x = constrain(x, RESIDUAL)
         h = constrain(RMSNorm(c.norm_eps, dtype, self.placer, name="mlp_norm")(x), NORMED)  # MoE routes whole sequences
@@ -120,11 +121,12 @@ class BlockGroup(nn.Module):
     placer: ParamPlacer | None = None
     exchange: Exchange = LOCAL
     attention_chunk: int = 0
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, docs: Docs = None) -> tuple[jax.Array, Stats]:
         kw = dict(grad_dtype=self.grad_dtype, placer=self.placer, exchange=self.exchange,
-                  attention_chunk=self.attention_chunk)
+                  attention_chunk=self.attention_chunk, decode=self.decode)
         for i in range(self.cfg.moe.every - 1):
             x, _ = Block(self.cfg, self.dot_general, moe=False, **kw, name=f"dense_{i}")(x, docs)
         return Block(self.cfg, self.dot_general, moe=True, **kw, name="moe_block")(x, docs)
@@ -155,6 +157,10 @@ class Transformer(nn.Module):
     loss_chunk: int = 0
     # Query positions per attention block (parallel.attention_chunk; attention.py); 0: all T.
     attention_chunk: int = 0
+    # Sampling (infer/decode.py): every attention layer keeps a KV cache in the "cache" collection
+    # (attention.py), stacked over layers like the parameters; the model is then called on the
+    # prompt once and on one new token at a time. Training never sets it: no cache exists then.
+    decode: bool = False
 
     def setup(self) -> None:
         c = self.cfg
@@ -167,13 +173,14 @@ class Transformer(nn.Module):
             block = nn.remat(block, policy=policy, prevent_cse=False)
         self.layers = nn.scan(
             block,
-            variable_axes={"params": 0, FP8_COLLECTION: 0},  # FP8 scales/histories: one per layer
+            # FP8 scales/histories and the KV caches (decode): one per layer
+            variable_axes={"params": 0, FP8_COLLECTION: 0, "cache": 0},
             split_rngs={"params": True},
             in_axes=nn.broadcast,  # the packed documents (Docs), the same for every layer
             length=stack_length(c),
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(c, self.dot_general, grad_dtype=self.grad_dtype, placer=self.placer, exchange=self.exchange,
-          attention_chunk=self.attention_chunk)
+          attention_chunk=self.attention_chunk, decode=self.decode)
         self.final_norm = RMSNorm(c.norm_eps, dtype, self.placer)
         if not c.tie_embeddings:
             self.logits = Head(c.vocab_size, c.init_std, dtype, self.logits_dot_general, self.grad_dtype, self.placer)

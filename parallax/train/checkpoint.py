@@ -396,6 +396,11 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
         return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
 
+    def reader(self) -> ocp.CheckpointManager:
+        """A manager that only reads (as `steps` and `restore` do): for callers that restore parts
+        of a checkpoint themselves (interop/hf.py exports one parameter at a time)."""
+        return self._reader()
+
     def steps(self) -> list[int]:
         """Finalized checkpoint steps, oldest first (directories still being written are not)."""
         if not self.directory.is_dir():

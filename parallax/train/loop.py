@@ -106,7 +106,7 @@ def _run_file(workdir: Path) -> dict | None:
         return None
 
 
-def _write_run_file(workdir: Path, cfg: Config) -> None:
+def write_run_file(workdir: Path, cfg: Config) -> None:
     """WORKDIR/run.json: the fields that make a rerun the same run (checkpoint.py's STRUCTURAL and
     IDENTITY) and the config, written (atomically) when a run starts from step 0."""
     path, tmp = workdir / RUN_FILE, workdir / (RUN_FILE + ".tmp")
@@ -138,13 +138,18 @@ def _claim(lock: WorkdirLock, workdir: Path, lead: bool, create: bool) -> None:
                            "wait for it to end (or stop it), or choose another --workdir")
 
 
-def _open_data(cfg: Config):
-    from parallax.train.data import open_data
+def _open_data(cfg: Config, resolve: bool = False):
+    """(train, validation) batch sources of `cfg` (input.py); `resolve`: `cfg` with the eod_id of its
+    prepared directories instead (input.resolve_data)."""
+    from parallax.config import data_sources
+    from parallax.train.input import open_input, resolve_data
 
     try:
-        return open_data(cfg)
-    except OSError as e:  # unreadable (permissions, I/O error): data.py checks existence and form
-        raise UserError(f"data file {cfg.data.source!r} cannot be read ({e.strerror or e})") from None
+        return resolve_data(cfg) if resolve else open_input(cfg)
+    except OSError as e:  # unreadable (permissions, I/O error): data.py and prepare.py check existence and form
+        where = str(getattr(e, "filename", None) or ", ".join(data_sources(cfg.data)[0]))
+        label = "prepared data" if Path(where).is_dir() else "data file"
+        raise UserError(f"{label} {where!r} cannot be read ({e.strerror or e})") from None
 
 
 def _warn(line: str) -> None:
@@ -195,6 +200,7 @@ def _run(cfg: Config, workdir: Path, overwrite: bool, fresh: bool, stop_at: int 
     from parallax.train.goodput import EventLog
     from parallax.train.profiler import StepProfiler
 
+    cfg = _open_data(cfg, resolve=True)  # before build: a prepared directory's eod_id shapes the step
     built = build(cfg)
     data = _open_data(cfg)
     lead = jax.process_index() == 0
@@ -279,7 +285,7 @@ def _open_records(cfg: Config, workdir: Path, lead: bool, say, start: _Start):
         if dropped:
             say(f"metrics.jsonl: dropped {dropped} records of steps after {start.step} (repeated now)")
     if lead and start.restored is None:
-        _write_run_file(workdir, cfg)
+        write_run_file(workdir, cfg)
     tracker = None
     if lead and cfg.metrics.wandb:  # wandb is imported only here (cli.preflight checked that it imports)
         from parallax.train.tracker import WandbTracker
@@ -362,6 +368,7 @@ class _Training:
         self.record: dict = {}
         self.done = start.step
         self.bad_run, self.diverged, self.failed, self.unwritten = 0, None, None, []
+        self.input_wait = 0.0  # seconds this step's iteration waited for the next step's batch (input.Feed)
 
     def batch(self, data, step: int):
         from parallax.train.data import make_global_batch
@@ -388,11 +395,18 @@ class _Training:
         """Steps from the start to `end`; leaving `checkpoints` waits for the last save: no exit,
         not even an error, abandons one."""
         from parallax.train.checkpoint import CheckpointError
+        from parallax.train.input import Feed
         from parallax.train.metrics import Progress
 
         started = time.perf_counter()
-        batch = self.batch(self.train_data, self.start)
-        compiled = self.train_step.lower(self.state, batch).compile()
+        d = self.cfg.data
+        feed = Feed(self.train_data, self.start, end, self.built.batch_sharding, d.prefetch, d.read_threads)
+        try:
+            batch, _ = feed.next()  # the threads keep filling the queue while the step compiles
+            compiled = self.train_step.lower(self.state, batch).compile()
+        except BaseException:
+            feed.close()
+            raise
         self.events.write("compiled", dt=time.perf_counter() - started)
         self.say(f"compiled train step in {time.perf_counter() - started:.1f} s")
         self.signals.training = True
@@ -402,8 +416,9 @@ class _Training:
                     with self.profiler.annotate(step + 1):  # a no-op outside --profile-steps
                         t0 = time.perf_counter()
                         self.state, metrics = compiled(self.state, batch)
-                        if step + 1 < end:  # build the next batch on the host while the device computes
-                            batch = self.batch(self.train_data, step + 1)
+                        self.input_wait = 0.0
+                        if step + 1 < end:  # the next batch, prepared ahead, placed while the device computes
+                            batch, self.input_wait = feed.next()
                         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
                         dt = time.perf_counter() - t0
                     self.profiler.after(step + 1, self.state)
@@ -418,6 +433,7 @@ class _Training:
                 raise WorkdirError(f"{self.failed}; {e}") from e
             raise
         finally:
+            feed.close()
             self.profiler.stop(summary=False)  # an error stopped the window: keep the trace, say nothing more
             self.events.write("end", sync=True, step=self.done)
             self.events.close()
@@ -432,6 +448,7 @@ class _Training:
         self.bad_run = 0 if metrics["finite"] else self.bad_run + 1
         self.skipped += int(not metrics["finite"])
         record = self.record = self.step_record(done, metrics, dt, self.skipped)
+        record["input_wait_s"] = self.input_wait  # of step_time_s: the host's input is the bottleneck when near it
         self.events.write("step", step=done, dt=dt, ok=bool(metrics["finite"]))
         if (t.eval_every > 0 and done % t.eval_every == 0) or done == t.steps:
             t0 = time.perf_counter()
