@@ -116,28 +116,29 @@ def stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
     block = stack_unit(model.cfg)(model.cfg, dot_general, placer=model.placer, exchange=model.exchange,
                                   attention_chunk=model.attention_chunk)
 
-    def unit(params: Any, fp8: Any, real: Any, x: jax.Array) -> tuple[jax.Array, dict]:
-        y, stats = block.apply({"params": params, **({FP8_COLLECTION: fp8} if fp8 is not None else {})}, x)
+    def unit(params: Any, fp8: Any, real: Any, docs: Any, x: jax.Array) -> tuple[jax.Array, dict]:
+        y, stats = block.apply({"params": params, **({FP8_COLLECTION: fp8} if fp8 is not None else {})}, x, docs)
         if real is None:
             return y, stats
         return jnp.where(real, y, x), {k: jnp.where(real, v, 0) for k, v in stats.items()}
 
-    def sliced(stack: Any, fp8_stack: Any, rep: jax.Array, j: jax.Array, real: Any, x: jax.Array):
+    def sliced(stack: Any, fp8_stack: Any, rep: jax.Array, j: jax.Array, real: Any, docs: Any, x: jax.Array):
         pick = lambda c: c[rep, j]  # noqa: E731
-        return unit(jax.tree.map(pick, stack), jax.tree.map(pick, fp8_stack), real, x)
+        return unit(jax.tree.map(pick, stack), jax.tree.map(pick, fp8_stack), real, docs, x)
 
     policy = remat_policy(model.remat, model.placer is not None)
     if policy is not None:
         unit = jax.checkpoint(unit, policy=policy, prevent_cse=False)
         sliced = jax.checkpoint(sliced, policy=policy, prevent_cse=False)
 
-    def stage(chunk: Any, x: jax.Array, fp8: Any = None, mask: Any = None, rep: Any = None):
+    def stage(chunk: Any, x: jax.Array, fp8: Any = None, mask: Any = None, rep: Any = None, docs: Any = None):
+        # docs: this microbatch's packed documents (segment ids, positions [b, T]) or None
         if rep is None or policy is None:
             if rep is not None:  # KNOWN COST (remat=none): the tick loop keeps this slice per tick
                 chunk, fp8 = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, rep, keepdims=False), (chunk, fp8))
-            return jax.lax.scan(lambda h, xs: unit(*xs, h), x, (chunk, fp8, mask))
+            return jax.lax.scan(lambda h, xs: unit(*xs, docs, h), x, (chunk, fp8, mask))
         units = jax.tree.leaves(chunk)[0].shape[1]
-        return jax.lax.scan(lambda h, xs: sliced(chunk, fp8, rep, *xs, h), x, (jnp.arange(units), mask))
+        return jax.lax.scan(lambda h, xs: sliced(chunk, fp8, rep, *xs, docs, h), x, (jnp.arange(units), mask))
 
     return stage
 
@@ -172,7 +173,7 @@ def _merge_halves(stats: list[dict]) -> dict:
 
 def run_pipeline(
     model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh, layers: Any, layer_specs: Any, x: jax.Array,
-    fp8: Any = None,
+    fp8: Any = None, docs: Any = None,
 ) -> tuple[jax.Array, dict]:
     """The block stack on [B, T, D] activations with stage-layout `layers`; returns ([B, T, D],
     MoE stats per unit of the stack, layer-major, combined over microbatches and batch shards).
@@ -182,6 +183,9 @@ def run_pipeline(
     autodiff, and bubble ticks run on zeros so that their amax (0) never wins.
 
     `layer_specs`: the mesh PartitionSpecs the stage-layout parameters are stored with.
+
+    `docs`: packed documents, (segment ids, positions) [B, T] each, or None: cut into microbatches
+    as the activations are, each tick's stage gets its microbatch's (halves: its half's).
 
     The shard_map is manual over `pipe` and over the batch axes: the parameters enter replicated
     over the batch axes, so their gradient is reduced over `data` once, where the shard_map is
@@ -194,6 +198,7 @@ def run_pipeline(
     # [B, T, D] -> [B/M, M, T, D] -> [M, B/M, T, D]: microbatch i takes rows i, i+M, ...; splitting
     # this way keeps each data shard's rows on the same shard (no resharding of the batch).
     micro = x.reshape(b // m, m, t, d).swapaxes(0, 1)
+    micro_docs = None if docs is None else tuple(a.reshape(b // m, m, t).swapaxes(0, 1) for a in docs)  # [M, B/M, T]
     stage = stage_fn(model)
     split = not scales_each_use(model.dot_general)
     ring = [(i, (i + 1) % p) for i in range(p)]
@@ -210,7 +215,7 @@ def run_pipeline(
 
     stat_shapes = moe_stat_shapes(model.cfg, layers_per_chunk=jax.tree.leaves(layers)[0].shape[2])
 
-    def body(chunks: Any, micro: jax.Array, fp8_chunks: Any) -> tuple[jax.Array, dict]:
+    def body(chunks: Any, micro: jax.Array, fp8_chunks: Any, micro_docs: Any) -> tuple[jax.Array, dict]:
         chunks = jax.tree.map(gather_zero3, chunks, param_specs, is_leaf=lambda a: isinstance(a, P))
         fp8_chunks = jax.tree.map(lambda c: c[:, 0], fp8_chunks)  # [R, 1, Lc, ...] -> [R, Lc, ...]
         s = jax.lax.axis_index(PIPE)
@@ -240,6 +245,10 @@ def run_pipeline(
             # microbatch (rows i, i+M, ...) is the same set on every layout, so the run's numbers
             # depend on M only, as on one device with M microbatches.
             halves = jnp.split(inp, 2) if inp.shape[0] % 2 == 0 and split else [inp]
+            docs_i = None if micro_docs is None else tuple(
+                jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in micro_docs)  # [B/M, T] each
+            doc_halves = [None] * len(halves) if docs_i is None else (
+                list(zip(*(jnp.split(a, len(halves)) for a in docs_i))))
             # A bubble tick computes on zeros and its FP8 dots still return a new state: under the
             # current recipe a zero amax keeps the previous scale (1 at first), which would win
             # the max over uses against the real, smaller scales. So a bubble tick's new state is
@@ -247,9 +256,11 @@ def run_pipeline(
             tick_fp8 = jax.tree.map(lambda c: _unless_idle(c, busy), fp8_chunks)
             if r == 1:  # a loop-invariant chunk: its residual is not stacked per tick
                 chunk, fp8_chunk = jax.tree.map(lambda c: c[0], (chunks, tick_fp8))
-                results = [stage(chunk, h, fp8_chunk if fp8 is not None else None, mask) for h in halves]
+                results = [stage(chunk, h, fp8_chunk if fp8 is not None else None, mask, docs=dh)
+                           for h, dh in zip(halves, doc_halves)]
             else:
-                results = [stage(chunks, h, tick_fp8 if fp8 is not None else None, mask, rep) for h in halves]
+                results = [stage(chunks, h, tick_fp8 if fp8 is not None else None, mask, rep, docs=dh)
+                           for h, dh in zip(halves, doc_halves)]
             outs = [o for o, _ in results]
             stats = _merge_halves([st for _, st in results])
             # Stats of chunk `rep` on this microbatch; a bubble tick adds nothing.
@@ -273,9 +284,9 @@ def run_pipeline(
     act_spec = P(None, BATCH_AXES)
     fp8_in = {} if fp8 is None else fp8
     out, stats = jax.shard_map(
-        body, mesh=mesh, in_specs=(param_specs, act_spec, P(None, PIPE)), out_specs=(act_spec, P(None, PIPE)),
+        body, mesh=mesh, in_specs=(param_specs, act_spec, P(None, PIPE), act_spec), out_specs=(act_spec, P(None, PIPE)),
         axis_names=manual,
-    )(layers, micro, fp8_in)
+    )(layers, micro, fp8_in, micro_docs)
     # [R, P, Lc, ...] -> [L_units, ...]: chunk v = rep * P + stage holds units v*Lc .. (v+1)*Lc - 1
     stats = {k: v.reshape(-1, *v.shape[3:])[:schedule.units or None] for k, v in stats.items()}
     return out.swapaxes(0, 1).reshape(b, t, d), stats  # [M, B/M, T, D] -> [B, T, D]
@@ -284,11 +295,13 @@ def run_pipeline(
 def make_pipelined_apply(
     model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh, layer_specs: Any
 ) -> Callable[[Any, jax.Array], jax.Array]:
-    """(params with stage-layout 'layers', tokens [B, T], targets [B, T], FP8 collection or None)
-    -> (mean cross-entropy, MoE stats). The FP8 state stays layer-major in the train state (it is
+    """(params with stage-layout 'layers', tokens [B, T], targets [B, T], FP8 collection or None,
+    packed documents: segment_ids, positions, loss_mask [B, T] or None) -> (mean cross-entropy,
+    MoE stats). The FP8 state stays layer-major in the train state (it is
     small and replicated); it is reshaped to the stage layout here, inside the loss."""
 
-    def apply(params: Any, tokens: jax.Array, targets: jax.Array, fp8: Any = None) -> tuple[jax.Array, dict]:
+    def apply(params: Any, tokens: jax.Array, targets: jax.Array, fp8: Any = None, segment_ids: Any = None,
+              positions: Any = None, loss_mask: Any = None) -> tuple[jax.Array, dict]:
         outer = {k: v for k, v in params.items() if k != "layers"}
         fp8 = fp8 or {}
         outer_vars = {"params": outer}
@@ -296,7 +309,9 @@ def make_pipelined_apply(
             outer_vars[FP8_COLLECTION] = {k: v for k, v in fp8.items() if k != "layers"}
         x = model.apply(outer_vars, tokens, method=Transformer.embed_tokens)
         stack_fp8 = to_stages(fp8["layers"], schedule, fill=padding_value) if "layers" in fp8 else None
-        x, stats = run_pipeline(model, schedule, mesh, params["layers"], layer_specs, x, stack_fp8)
-        return model.apply(outer_vars, x, targets, method=Transformer.head_loss), stats
+        docs = None if segment_ids is None else (segment_ids, positions)
+        x, stats = run_pipeline(model, schedule, mesh, params["layers"], layer_specs, x, stack_fp8, docs)
+        # The head runs on the whole batch: a packed batch's loss is the mean over all its kept tokens
+        return model.apply(outer_vars, x, targets, loss_mask, method=Transformer.head_loss), stats
 
     return apply

@@ -52,7 +52,7 @@ class Layout:
     state_shardings: TrainState
     schedule: Schedule | None  # the pipeline schedule; None when the stack is not pipelined
     # (params, tokens [B, T], targets [B, T], FP8 collection (fm32) or None, **packed documents:
-    # [B, T] arrays, data.DOC_KEYS: not pipelined, parallelism.RULES) -> (mean cross-entropy, MoE stats)
+    # [B, T] arrays, data.DOC_KEYS: not with 1F1B, parallelism.RULES) -> (mean cross-entropy, MoE stats)
     apply: Callable[..., tuple[jax.Array, dict]]
     # (params, batch, FP8 state) -> ((loss, (cross-entropy, MoE stats)), (grads, new FP8 state)) for
     # schedules that compute their own gradients (1F1B): train_step.make_value_and_grad's contract.
