@@ -310,13 +310,10 @@ RULES: tuple[Rule, ...] = (
          lambda v: "train.noise_scale: not with fp8.enabled (per-shard gradients would quantise with per-shard "
                    "amaxes)", layout=False),
     # Packed documents (data.eod_id >= 0): the masked loss is a mean over the whole batch's kept
-    # tokens. GPipe and circular carry the segment ids and positions through the stages and run
-    # the head on the whole batch; 1F1B's per-microbatch head, grad_accum's microsteps and the
-    # noise scale's shards would take a mean of means (equal only when every part keeps as many
-    # tokens).
-    Rule("packed_pipe", lambda v: (v.cfg.data.eod_id < 0) | ~v.f1b,
-         lambda v: f"data.eod_id={v.cfg.data.eod_id} (packed documents): not with parallel.schedule='1f1b' yet; use "
-                   "parallel.schedule='gpipe' or 'circular', or data.eod_id=-1"),
+    # tokens. The pipelines carry the segment ids and positions through the stages; GPipe and
+    # circular run the head on the whole batch, 1F1B weighs each microbatch's mean by its share of
+    # the kept tokens. grad_accum's microsteps and the noise scale's shards would take a mean of
+    # means (equal only when every part keeps as many tokens).
     Rule("packed_accum", lambda v: np.asarray(v.cfg.data.eod_id < 0 or v.cfg.train.grad_accum == 1),
          lambda v: f"data.eod_id={v.cfg.data.eod_id} (packed documents): not with train.grad_accum="
                    f"{v.cfg.train.grad_accum} yet; use train.grad_accum=1 or data.eod_id=-1", layout=False),

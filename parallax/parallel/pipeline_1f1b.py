@@ -130,12 +130,13 @@ def make_1f1b_value_and_grad(
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
     stat_shapes = moe_stat_shapes(c, layers_per_chunk=sched.chunk_units)
 
-    def head_loss(outer: Any, head_fp8: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
+    def head_loss(outer: Any, head_fp8: Any, y: jax.Array, targets: jax.Array, loss_mask: Any,
+                  weight: jax.Array) -> jax.Array:
         # float32 in, fm32 inside (fp8.fp8_variables): `grad` takes no fm32 argument
         variables = {"params": outer, **({FP8_COLLECTION: _as_meta(head_fp8)} if head_fp8 else {})}
-        return head_model.apply(variables, y, targets, method=Transformer.head_loss) * share  # summed below
+        return head_model.apply(variables, y, targets, loss_mask, method=Transformer.head_loss) * weight  # summed below
 
-    def body(chunks, outer, micro_x, micro_t, fp8_chunks, head_fp8):
+    def body(chunks, outer, micro_x, micro_t, fp8_chunks, head_fp8, micro_docs, kept_total):
         s = jax.lax.axis_index(PIPE)
         # Everything a gradient is taken of is marked varying over the batch axes up front, so no
         # implicit reduction lands inside the loop; gradients are reduced over them once, below.
@@ -145,8 +146,8 @@ def make_1f1b_value_and_grad(
         head_fp8 = jax.tree.map(lambda f: vary(f, (PIPE,)), head_fp8)
         mask = unit_mask(sched, s)  # uneven stages: this stage's padding slots pass through
 
-        def stage(chunk: Any, fp8: Any, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], dict]:
-            y, stats = with_stats(chunk, x, _as_meta(fp8), mask)  # fm32 inside, as fp8_variables
+        def stage(chunk: Any, fp8: Any, x: jax.Array, docs: Any) -> tuple[tuple[jax.Array, jax.Array], dict]:
+            y, stats = with_stats(chunk, x, _as_meta(fp8), mask, docs=docs)  # fm32 inside, as fp8_variables
             router = sum(w * jnp.sum(stats[k]) for k, w in moe_weights.items() if k in stats)
             return (y, vary(jnp.asarray(router, jnp.float32), (*BATCH_AXES, PIPE))), stats
 
@@ -155,15 +156,24 @@ def make_1f1b_value_and_grad(
         zeros_x = jnp.zeros_like(micro_x[0])
         varying = lambda a: vary(a, (*BATCH_AXES, PIPE))  # noqa: E731
 
+        def docs_of(i):  # packed documents of microbatch i: (segment ids, positions) [b, T], loss mask
+            if not micro_docs:
+                return None, None
+            seg, pos, lm = (jax.lax.dynamic_index_in_dim(micro_docs[k], i, keepdims=False)
+                            for k in ("segment_ids", "positions", "loss_mask"))
+            return (seg, pos), lm
+
         def tick(carry, t):
             recv_f, recv_b, buf, g_chunk, g_outer, new_fp8, new_head_fp8, ce, router, acc, dx_all = carry
             f_busy, i_f, b_busy, i_b = sched.one_f_one_b_work(t, s)
             i_f, i_b = jnp.clip(i_f, 0, m - 1), jnp.clip(i_b, 0, m - 1)
+            docs_f, mask_f = docs_of(i_f)
+            docs_b, _ = docs_of(i_b)
             # forward (it reads the FP8 state; the backward's recomputation records it)
             inp = jnp.where(s == 0, jax.lax.dynamic_index_in_dim(micro_x, i_f, keepdims=False), recv_f)
 
             def forward(x):
-                (y, r), stats = stage(chunk, fp8_chunk, x)
+                (y, r), stats = stage(chunk, fp8_chunk, x, docs_f)
                 return y, r, {k: stats[k].astype(jnp.float32) for k in stat_shapes}
 
             def no_forward(x):
@@ -178,7 +188,12 @@ def make_1f1b_value_and_grad(
 
             def head(args):
                 y, tg = args
-                value, (d_outer, d_fp8, dy) = jax.value_and_grad(head_loss, argnums=(0, 1, 2))(outer, head_fp8, y, tg)
+                # packed: this shard's microbatch mean over its kept tokens, weighted by their share
+                # of the whole batch's kept tokens: the sum over shards and microbatches is the
+                # mean over every kept token (unpacked: 1/(M x shards) each)
+                weight = share if mask_f is None else jnp.sum(mask_f != 0).astype(jnp.float32) / kept_total
+                value, (d_outer, d_fp8, dy) = jax.value_and_grad(head_loss, argnums=(0, 1, 2))(
+                    outer, head_fp8, y, tg, mask_f, weight)
                 return value, d_outer, d_fp8, dy
 
             def no_head(args):
@@ -192,7 +207,7 @@ def make_1f1b_value_and_grad(
 
             def backward(args):
                 x, ct = args
-                _, vjp = jax.vjp(lambda w, f, h: stage(w, f, h)[0], chunk, fp8_chunk, x)
+                _, vjp = jax.vjp(lambda w, f, h: stage(w, f, h, docs_b)[0], chunk, fp8_chunk, x)
                 d_chunk, d_fp8, dx = vjp((ct, varying(jnp.ones((), jnp.float32))))  # router losses: weight 1
                 return d_chunk, d_fp8, dx
 
@@ -244,7 +259,7 @@ def make_1f1b_value_and_grad(
 
     act = P(None, BATCH_AXES)
     stacked = P(None, PIPE)
-    in_specs = (param_specs, P(), act, act, stacked, P())
+    in_specs = (param_specs, P(), act, act, stacked, P(), act, P())
     out_specs = (P(), P(), P(PIPE), param_specs, P(), stacked, P(), act)
     piped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)
 
@@ -261,8 +276,12 @@ def make_1f1b_value_and_grad(
         # [B, ...] -> [B/M, M, ...] -> [M, B/M, ...]: microbatch i takes rows i, i+M, ... (pipeline.py)
         micro_x = x.reshape(b // m, m, t, d).swapaxes(0, 1)
         micro_t = targets.reshape(b // m, m, t).swapaxes(0, 1)
+        # packed documents (data.DOC_KEYS: Transformer.loss's keywords), cut into microbatches as the targets are
+        micro_docs = {k: v.reshape(b // m, m, t).swapaxes(0, 1) for k, v in batch.items() if k not in ("inputs", "targets")}
+        kept_total = (jnp.maximum(jnp.sum(batch["loss_mask"] != 0), 1).astype(jnp.float32) if micro_docs
+                      else jnp.ones((), jnp.float32))
         ce, router, stats, g_layers, g_head, new_stack_fp8, new_head_fp8, dx = piped(
-            params["layers"], outer, micro_x, micro_t, stack_fp8, head_fp8)
+            params["layers"], outer, micro_x, micro_t, stack_fp8, head_fp8, micro_docs, kept_total)
         (g_embed,) = embed_vjp(dx.swapaxes(0, 1).reshape(b, t, d))
         grads = jax.tree.map(jnp.add, g_head, g_embed)  # a tied table gets both contributions
         stats = {k: v.reshape(-1, *v.shape[2:])[:sched.units or None] for k, v in stats.items()}  # layer-major
