@@ -107,12 +107,13 @@ def _check(procs: Procs, rcs: list[int]) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One process on 8 devices trains 4 steps; two processes on 4 devices each train the same
+    """One process on 8 devices trains the whole run (6 steps and the final evaluation: the
+    reference of the periodic-save test below); two processes on 4 devices each train the same
     run to step 2 (checkpoint), concurrently; then one process resumes that checkpoint to step 4.
-    All stop before train.steps (--stop-at), which skips the final evaluation's compile."""
+    Those two stop before train.steps (--stop-at), which skips the final evaluation's compile."""
     tmp = tmp_path_factory.mktemp("multihost")
     t0 = time.perf_counter()
-    one = _train(tmp, "one", tmp / "one", MESH_222 + TINY, extra=["--stop-at", "4"])
+    one = _train(tmp, "one", tmp / "one", MESH_222 + TINY)
     two = _train(tmp, "two", tmp / "two", MESH_222 + TINY, processes=2, extra=["--stop-at", "2"])
     _check(two, two.wait())
     _check(one, one.wait())
@@ -140,6 +141,31 @@ def test_checkpoint_from_two_processes_resumes_in_one(runs):
     assert sorted(resumed) == [1, 2, 3, 4]  # appended to the two-process run's metrics
     for step in (3, 4):
         assert resumed[step] == pytest.approx(ref[step], rel=RTOL), (step, resumed[step], ref[step])
+
+
+def test_two_processes_keep_training_after_periodic_saves(runs, tmp_path):
+    """Steps after periodic saves on two processes (checkpoint.every=2: saves at 2, 4 and 6, the
+    next step dispatched while Orbax still works on the save). Orbax's barriers ran as device
+    all-gathers on the checkpoint writer thread, interleaved with the step's collectives in a
+    different order on each process: both hung at the first step after a save (notes/savehang.md)."""
+    sets = MESH_222 + TINY + ["checkpoint.every=2"]
+    procs = _train(tmp_path, "periodic", tmp_path / "periodic", sets, processes=2)
+    try:
+        rcs = procs.wait(timeout=180)  # ~30 s here (the step's compile is cached); a hang is for good
+    except subprocess.TimeoutExpired:
+        last = procs.out(0).strip().splitlines()[-3:]
+        pytest.fail(f"two processes with periodic saves hung; process 0's last lines: {last}")
+    _check(procs, rcs)
+    ref, got = _losses(runs["tmp"] / "one"), _losses(tmp_path / "periodic")
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step, loss in got.items():
+        assert loss == pytest.approx(ref[step], rel=RTOL), (step, loss, ref[step])
+    evals = [json.loads(x).get("eval_loss") for x in (tmp_path / "periodic" / "metrics.jsonl").read_text().splitlines()]
+    ref_eval = json.loads((runs["tmp"] / "one" / "metrics.jsonl").read_text().splitlines()[-1])["eval_loss"]
+    assert evals[-1] == pytest.approx(ref_eval, rel=RTOL)
+    out = procs.out(0)
+    assert all(f"checkpoint: saving step {s}" in out for s in (2, 4, 6)), out
+    assert sorted(int(p.name) for p in (tmp_path / "periodic" / "checkpoints").iterdir()) == [2, 4, 6]
 
 
 def test_only_process_0_writes_metrics_and_progress(runs):

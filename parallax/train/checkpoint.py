@@ -376,6 +376,30 @@ def _lower_priority(threads: set[int], nice: int) -> None:
             pass
 
 
+def _coordination_barriers(directory: Path) -> dict:
+    """CheckpointManagerOptions that make every barrier of a multi-process save a wait at the
+    coordination service (the distributed client's `wait_at_barrier`) instead of a device
+    all-gather. Orbax's `sync_global_processes` takes that path when `active_processes` is set
+    (here: all processes, so it means what None does); left None it calls `sync_global_devices`,
+    a jitted collective, from whichever thread saves: our writer thread and Orbax's own. A
+    collective launched beside the train step's is ordered differently on each process, and two
+    processes hung for good at the first step after a periodic save (notes/savehang.md; Orbax's
+    `MultihostSynchronizedValue` warns the same). `AsyncOptions.barrier_sync_fn` alone would not
+    do: it covers only the async part, not the manager's and checkpointer's barriers.
+
+    Orbax refuses `create=True` with `active_processes`: process 0 creates the directory here, on
+    the main thread, behind a barrier. One process: no barriers at all, options unchanged."""
+    if jax.process_count() == 1:
+        return {}
+    from jax.experimental import multihost_utils
+
+    if jax.process_index() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    multihost_utils.sync_global_devices("parallax_checkpoint_directory")  # main thread, no save in flight
+    processes = set(range(jax.process_count()))
+    return {"create": False, "multiprocessing_options": ocp.options.MultiprocessingOptions(active_processes=processes)}
+
+
 class Checkpoints:
     """WORKDIR/checkpoints. Reading (`steps`, `restore`) writes nothing; `open` prepares saving."""
 
@@ -461,6 +485,7 @@ class Checkpoints:
             preservation_policy=ocp.checkpoint_managers.LatestN(self.cfg.keep),
             cleanup_tmp_directories=True,  # leftovers of a save that a kill interrupted
             enable_async_checkpointing=True,
+            **_coordination_barriers(self.directory),
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         self._snapshot = make_snapshot(layout, self._disk)
