@@ -91,6 +91,12 @@ def stage_specs(layer_specs: Any) -> Any:
 # The pipelined forward pass
 
 
+def with_batch_amaxes(factory: Any) -> Any:
+    """An FP8 dot factory (or None) whose amaxes are pmax-ed over the batch axes: inside the
+    pipeline's shard_map, manual over them, each device sees only its rows (fp8.py's hook)."""
+    return None if factory is None else functools.partial(factory, amax_axes=tuple(BATCH_AXES))
+
+
 def stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
     """(chunk params [Lc, ...], x [b, T, D], chunk FP8 state or None, unit mask [Lc] or None,
     repeat or None) -> (x, MoE stats [Lc, ...]): the chunk's units in order.
@@ -109,9 +115,7 @@ def stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
     gathered weights too: the named copy's producer is the gathered value; BUILD_NOTES.md). Without a policy, slicing per unit
     measured worse than the per-tick slice (BUILD_NOTES.md).
     """
-    dot_general = model.dot_general
-    if dot_general is not None:
-        dot_general = functools.partial(dot_general, amax_axes=tuple(BATCH_AXES))
+    dot_general = with_batch_amaxes(model.dot_general)
     # ZeRO-3's placer and the expert exchange as injected into the model (train_state.make_layout)
     block = stack_unit(model.cfg)(model.cfg, dot_general, placer=model.placer, exchange=model.exchange,
                                   attention_chunk=model.attention_chunk)

@@ -45,7 +45,6 @@ Limits: one chunk per stage (no circular repeats); config validation says so.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -57,7 +56,7 @@ from parallax.model.transformer import Transformer, moe_stat_shapes
 from parallax.model.logical import entry_axes, keep_axes, vary, varying_axes
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
-from parallax.parallel.pipeline import stage_fn, to_layer_major, to_stages, unit_mask
+from parallax.parallel.pipeline import stage_fn, to_layer_major, to_stages, unit_mask, with_batch_amaxes
 from parallax.parallel.sharding import BATCH_AXES
 
 _NOTHING = -jnp.inf  # fm32's zero: the identity of the max that combines FP8 states
@@ -124,7 +123,7 @@ def make_1f1b_value_and_grad(
     with_stats = stage_fn(model)
     head_model = model
     if model.logits_dot_general is not None:  # the head runs inside the shard_map: global amaxes
-        head_model = model.clone(logits_dot_general=_with_amax_axes(model.logits_dot_general))
+        head_model = model.clone(logits_dot_general=with_batch_amaxes(model.logits_dot_general))
     fwd_ring = [(i, (i + 1) % p) for i in range(p)]
     bwd_ring = [((i + 1) % p, i) for i in range(p)]
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
@@ -292,7 +291,3 @@ def make_1f1b_value_and_grad(
 
     return value_and_grad
 
-
-def _with_amax_axes(factory: Any) -> Any:
-    """An FP8 dot factory whose amaxes are reduced over the batch axes (pipeline.stage_fn's hook)."""
-    return functools.partial(factory, amax_axes=tuple(BATCH_AXES))
