@@ -345,7 +345,7 @@ def grouped_calls(monkeypatch):
     import parallax.model.moe as moe
 
     calls, inner = [], moe.grouped_swiglu
-    monkeypatch.setattr(moe, "grouped_swiglu", lambda *a: calls.append(1) or inner(*a))
+    monkeypatch.setattr(moe, "grouped_swiglu", lambda *a, **k: calls.append(1) or inner(*a, **k))
     return calls
 
 
@@ -357,6 +357,42 @@ def test_ragged_layer_equals_capacity_dropless(capacity_layer_reference, grouped
     assert grouped_calls
     y, stats = layer.apply({"params": params}, x)
     assert float(stats["dropped_fraction"]) == 0.0 and float(jnp.sum(stats["load"])) == 8 * 6 * 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_weight_gradient_leaves_its_gemm_in_grad_reduce_dtype(dtype):
+    """moe.grouped_param_dot: the ragged experts' matmul with its weight gradient emitted in
+    float32 (parallel.grad_reduce_dtype), as layers.param_matmul does for every other weight.
+    float32 compute: value and both gradients equal plain autodiff of ragged_dot (one GEMM each,
+    the same sums). bfloat16 compute: the weight gradient is float32 and closer to the float32
+    reference than plain autodiff's, which rounds it to bfloat16 before any reduction."""
+    from parallax.model.moe import grouped_param_dot
+
+    rng = np.random.default_rng(7)
+    sizes = jnp.asarray([5, 0, 9, 2], jnp.int32)  # 16 rows; an empty group; 4 padding rows belong to none
+    x32 = jnp.asarray(rng.normal(size=(20, 12)), jnp.float32)
+    # weights and cotangent exact in bfloat16, so the only rounding left is the gradient's own
+    w = jnp.asarray(rng.normal(size=(4, 12, 8)), jnp.bfloat16).astype(jnp.float32)
+    g = jnp.asarray(rng.normal(size=(20, 8)), jnp.bfloat16).astype(jnp.float32)
+    x = x32.astype(dtype)
+
+    def ours(x, w):
+        return jnp.sum(grouped_param_dot(x, w, sizes, jnp.dtype(dtype), jnp.float32).astype(jnp.float32) * g)
+
+    def plain(x, w, compute=dtype):
+        y = jax.lax.ragged_dot(x.astype(compute), w.astype(compute), sizes, preferred_element_type=compute)
+        return jnp.sum(y.astype(jnp.float32) * g)
+
+    (v, (dx, dw)), (pv, (pdx, pdw)) = (jax.value_and_grad(f, argnums=(0, 1))(x, w) for f in (ours, plain))
+    assert dw.dtype == jnp.float32 and dx.dtype == x.dtype
+    if dtype == "float32":
+        np.testing.assert_allclose(v, pv, rtol=1e-6)
+        np.testing.assert_allclose(dx, pdx, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(dw, pdw, rtol=1e-5, atol=1e-6)
+        return
+    _, (_, ref) = jax.value_and_grad(lambda x, w: plain(x, w, "float32"), argnums=(0, 1))(x.astype(jnp.float32), w)
+    ours_err, plain_err = float(jnp.max(jnp.abs(dw - ref))), float(jnp.max(jnp.abs(pdw.astype(jnp.float32) - ref)))
+    assert ours_err < 1e-5 and plain_err > 10 * ours_err, (ours_err, plain_err)
 
 
 def test_ragged_model_data2_tensor2_equals_one_device(one_device, grouped_calls):

@@ -25,6 +25,7 @@ import pytest
 
 from parallax.analysis.audit import FAST_COMPILE, audit, compile_step
 
+from parallax.analysis.gemms import matmuls
 from parallax.analysis.hlo import collectives, conv_macs, while_loops
 from parallax.cli import main
 from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -385,33 +386,6 @@ def h100_audit(cuda_plugin):
     return audit(CFG, FAST_COMPILE, target="h100-8"), compile_step(CFG, FAST_COMPILE, "h100-8").hlo
 
 
-_DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? ([a-z][a-z0-9\-]*)\((.*)$")
-
-
-def _defs(hlo: str) -> list[tuple[str, str, str, str]]:
-    """(name, result type, opcode, rest) per instruction (tuple-typed results: type '(')."""
-    out = []
-    for line in hlo.splitlines():
-        m = _DEF.match(line)
-        if m:
-            out.append((m.group(1), m.group(2).split("[")[0], m.group(3), m.group(4)))
-    return out
-
-
-def _dot_operand_types(hlo: str) -> list[tuple[tuple[str, ...], str]]:
-    """Every dot's operand dtypes (from the operands' definitions: names are unique in a module;
-    gemm fusions' operands are their parameters) and JAX's op_name."""
-    defs = _defs(hlo)
-    types = {name: typ for name, typ, _, _ in defs}
-    out = []
-    for _, _, op, rest in defs:
-        if op == "dot":
-            operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
-            name = re.search(r'op_name="([^"]*)"', rest)
-            out.append((tuple(types[o] for o in operands), name.group(1) if name else ""))
-    return out
-
-
 def test_audit_for_h100_8_reads_the_gpu_compilers_program(h100_audit):
     """The GPU compiler's program: every collective an async -start/-done pair, which hlo.py reads
     (one row per start, its axes from the mesh replica groups); every matmul a Triton gemm fusion;
@@ -424,7 +398,7 @@ def test_audit_for_h100_8_reads_the_gpu_compilers_program(h100_audit):
     assert (a["platform"], a["target"], a["device_kind"]) == ("gpu", "h100-8", "NVIDIA H100 80GB HBM3")
     assert a["compiler"].startswith("XLA:GPU (jax-cuda12-plugin ")
     assert a["mesh"] == {"data": 4, "tensor": 2, "pipe": 1, "expert": 1}
-    ops = [op for _, _, op, _ in _defs(hlo)]
+    ops = re.findall(r"^\s*(?:ROOT )?%\S+ = .*? ([a-z][a-z0-9\-]*)\(", hlo, re.MULTILINE)
     kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
     starts = [op for op in ops if op.endswith("-start") and op[:-6] in kinds]
     assert starts and all(op[:-6] in kinds for op in starts)
@@ -436,7 +410,7 @@ def test_audit_for_h100_8_reads_the_gpu_compilers_program(h100_audit):
     assert {c.axes for c in found} >= {("data",), ("tensor",)}
     gemms = hlo.count('"kind":"__triton_nested_gemm_fusion"') + hlo.count('custom_call_target="__cublas$gemm"') \
         + hlo.count('custom_call_target="__cublas$lt$matmul"')
-    assert gemms >= 4 * MODEL.n_layers and gemms == len(_dot_operand_types(hlo)), gemms  # every dot a GEMM kernel
+    assert gemms >= 4 * MODEL.n_layers and gemms == len(matmuls(hlo)), gemms  # every dot a GEMM kernel
     for axis in ("data", "tensor"):
         f = a["axes"][axis]
         assert f["bytes"] > 0 and f["model_bytes"] == pytest.approx(f["bytes"], rel=0.05), (axis, f)
@@ -447,17 +421,23 @@ def test_audit_for_h100_8_reads_the_gpu_compilers_program(h100_audit):
 def test_fp8_gemms_keep_f8_operands_on_h100_8(cuda_plugin):
     """What experiments/bench_gpu.py checks on a real GPU, from the compile-only H100: every matmul
     through the FP8 dot_general stays an f8 GEMM (E4M3 x E4M3 forward; E5M2 gradient x E4M3 in
-    both backward matmuls), and only those (attention and the output head stay bf16)."""
-    hlo = compile_step(dataclasses.replace(CFG, fp8=Fp8Config(enabled=True)), FAST_COMPILE, "h100-8").hlo
-    dots = _dot_operand_types(hlo)
-    fp8 = [types for types, name in dots if "Fp8DotGeneral" in name]
-    rest = [types for types, name in dots if "Fp8DotGeneral" not in name]
-    forward = [t for t in fp8 if t == ("f8e4m3fn", "f8e4m3fn")]
-    backward = [t for t in fp8 if sorted(t) == ["f8e4m3fn", "f8e5m2"]]
-    # 4 matmuls per block (qkv, out, wi, wo) in the scanned body: 4 forward, 8 backward
-    assert (len(forward), len(backward), len(fp8)) == (4, 8, 12), fp8
+    both backward matmuls), and only those (attention and the output head stay bf16). The audit
+    counts them per step (gemms.fp8_report) and names why each other matmul is not FP8."""
+    cfg = dataclasses.replace(CFG, fp8=Fp8Config(enabled=True))
+    hlo = compile_step(cfg, FAST_COMPILE, "h100-8").hlo
+    dots = matmuls(hlo)
+    fp8 = [m.operands for m in dots if m.through_fp8_dot]
+    rest = [m.operands for m in dots if not m.through_fp8_dot]
+    assert fp8 and {t for t in fp8} <= {("f8e4m3fn", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2")}, fp8
     assert rest and not [t for t in rest if any(x.startswith("f8") for x in t)], rest
-    assert hlo.count('"kind":"__triton_nested_gemm_fusion"') >= len(fp8)
+    # per step: 4 matmuls per block (qkv, out, wi, wo) x L layers forward, twice that backward
+    e = audit(cfg, FAST_COMPILE, target="h100-8")["fp8"]
+    layers = MODEL.n_layers
+    assert (e["fp8_gemms_forward"], e["fp8_gemms_backward"]) == (4 * layers, 8 * layers), e
+    assert e["fp8_gemms"] == e["fp8_dot_general"] == 12 * layers
+    assert "f8e4m3fn x f8e4m3fn" in e["operand_types"]
+    assert set(e["not_fp8"]) == {"attention scores and values (the attention kernel has no FP8 dot_general)",
+                                 "output head (FP8 only with fp8.logits)"}, e["not_fp8"]
 
 
 def test_audit_cli_target_h100_8_prints_the_gpu_report_and_nothing_on_stderr(h100_audit, experiment, capfd):

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from parallax.analysis.hlo import Collective, collectives, dot_flops, summarize, while_loops
+from parallax.analysis.gemms import fp8_report
+from parallax.analysis.overlap import overlap_by_family, placement_of, placements
 from parallax.config import Config
 
 # ----------------------------------------------------------------------------------------------
@@ -92,7 +94,10 @@ def compile_step(cfg: Config, compiler_options: dict | None = None, target: str 
         t = lookup(target)
         target_mesh_shape(cfg.mesh, t)  # the mesh against the target's count, naming the target
         devices = target_devices(t)
-        compiler_options = target_options(compiler_options, t.platform)
+        from parallax.train.distributed import overlap_options
+
+        # the collective-overlap flags a training run on the target sets (distributed.py)
+        compiler_options = {**overlap_options(t.platform), **(target_options(compiler_options, t.platform) or {})}
     from parallax.train.build import build
 
     built = build(cfg, devices)
@@ -118,6 +123,8 @@ class Row:
     model_bytes: float
     model_what: tuple[str, ...]
     conditional: bool
+    sent: tuple[tuple[str, int], ...] = ()  # (element type on the wire, bytes per step), most bytes first
+    overlapped: int = 0  # of `bytes`: asynchronous with compute scheduled between start and done
 
     @property
     def family(self) -> str:
@@ -141,7 +148,7 @@ def axis_family(axes: tuple[str, ...], kind: str = "all-reduce") -> str:
     (expert parallelism); anything else over a batch axis (data, or expert, which is more data
     parallelism outside MoE layers) is data parallelism (XLA sometimes spreads a gradient
     reduction over (data, pipe) or (data, tensor) replicas), then tensor, then pipe."""
-    if kind == "all-to-all" and "expert" in axes:
+    if kind.endswith("all-to-all") and "expert" in axes:
         return "expert"
     for family in ("data", "expert", "tensor", "pipe"):
         if family in axes:
@@ -166,13 +173,22 @@ def family_totals(rows: list[Row]) -> dict[str, dict[str, float]]:
     return out
 
 
-def compare_collectives(found: list[Collective], terms: list) -> list[Row]:
+def compare_collectives(found: list[Collective], terms: list, placed: dict | None = None) -> list[Row]:
     """Group compiled collectives and model terms by (mesh axes, kind) and set them side by side.
+    `placed`: overlap.placements of the same program (the overlapped bytes per row).
 
     The model's static executions (conditional branches on every trip) are what the HLO counts.
     """
     compiled = summarize(found)
     cond = {(c.kind, c.axes) for c in found if c.conditional}
+    sent: dict[tuple, dict[str, int]] = {}
+    hidden: dict[tuple, int] = {}
+    for c in found:
+        by_type = sent.setdefault((c.kind, c.axes), {})
+        for dtype, nbytes in c.sent:
+            by_type[dtype] = by_type.get(dtype, 0) + nbytes * c.executions
+        if placed is not None and placement_of(c, placed).overlapped:
+            hidden[(c.kind, c.axes)] = hidden.get((c.kind, c.axes), 0) + c.bytes_per_step
     model: dict[tuple, list] = {}
     for term in terms:
         static = float(np.sum(term.static))
@@ -186,7 +202,8 @@ def compare_collectives(found: list[Collective], terms: list) -> list[Row]:
     for key in sorted(set(compiled) | set(model), key=lambda k: (k[1], k[0])):
         c = compiled.get(key, {"ops": 0, "executions": 0, "bytes": 0})
         m = model.get(key, [0.0, 0.0, []])
-        rows.append(Row(key[1], key[0], c["ops"], c["executions"], c["bytes"], m[0], m[1], tuple(m[2]), key in cond))
+        rows.append(Row(key[1], key[0], c["ops"], c["executions"], c["bytes"], m[0], m[1], tuple(m[2]), key in cond,
+                        tuple(sorted(sent.get(key, {}).items(), key=lambda kv: -kv[1])), hidden.get(key, 0)))
     return rows
 
 
@@ -199,7 +216,9 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
     step = compile_step(cfg, compiler_options, target)
     w, g = Workload.of(cfg), Grid.of(cfg, step.mesh_shape)
     platform = "cpu" if step.platform == "cpu" else "accelerator"
-    rows = compare_collectives(collectives(step.hlo, step.mesh_shape), collective_terms(w, g, platform))
+    found = collectives(step.hlo, step.mesh_shape)
+    placed = placements(step.hlo)
+    rows = compare_collectives(found, collective_terms(w, g, platform), placed)
     families = family_totals(rows)
     modelled = {k for k, v in families.items() if v["model_bytes"] > 0}
     parts = {k: float(v) for k, v in memory_parts(w, g, platform, attention="xla").items()}
@@ -215,15 +234,21 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
         "collectives": [
             {"axes": list(r.axes), "kind": r.kind, "ops": r.ops, "executions": r.executions, "bytes": r.bytes,
              "model_executions": r.model_executions, "model_bytes": r.model_bytes, "model": list(r.model_what),
-             "conditional": r.conditional, "explained": r.explained or r.family in modelled, "error": r.error}
+             "conditional": r.conditional, "explained": r.explained or r.family in modelled, "error": r.error,
+             "sent": dict(r.sent), "overlapped_bytes": r.overlapped}
             for r in rows
         ],
         "axes": families,
+        # per parallelism: bytes with compute scheduled between start and done, and the rest
+        # (XLA:CPU runs every collective synchronously: all exposed there)
+        "overlap": overlap_by_family(found, placed, lambda c: axis_family(c.axes, c.kind)),
         "memory": {"xla": step.memory, "model": parts,
                    "error": (parts["total"] / step.memory["peak"] - 1) if step.memory else None},
         "flops": {"model_per_step": model_flops_per_step(w), "model_per_device": model_flops_per_step(w) / n,
                   "executed_model": hw, "hlo_dots": dot_flops(step.hlo), "xla": step.cost},
         "loops": while_loops(step.hlo),
+        # the FP8 dot_general's matmuls kept FP8 by the compiler, and why the others are not
+        "fp8": fp8_report(step.hlo) if cfg.fp8.enabled else None,
     }
 
 
@@ -248,14 +273,20 @@ def _mib(n: float) -> str:
 
 
 def format_report(a: dict, title: str) -> str:
-    lines = [title, "collectives per step, per device     compiled (ops / runs / bytes)     cost model (runs / bytes)   diff"]
+    lines = [title, "collectives per step, per device     sent as   compiled (ops / runs / bytes)     cost model (runs / "
+                    "bytes)   diff   overlapped"]
     for r in a["collectives"]:
         axes = "+".join(r["axes"]) or "(none)"
         err = f"{r['error'] * 100:+.1f}%" if r["error"] is not None else "-"
         flag = "" if r["explained"] else "   UNEXPLAINED by the cost model"
         cond = " (conditional: runs counted on every trip)" if r["conditional"] else ""
-        lines.append(f"  {axes:<17} {r['kind']:<19} {r['ops']:>4} {r['executions']:>6} {_mib(r['bytes']):>14}"
-                     f"   {r['model_executions']:>7.0f} {_mib(r['model_bytes']):>14}  {err:>7}{flag}{cond}")
+        hidden = f"{r['overlapped_bytes'] / r['bytes']:.0%}" if r["bytes"] else "-"
+        dtype = next(iter(r["sent"]), "-")  # the type carrying most of the bytes; the rest below
+        lines.append(f"  {axes:<17} {r['kind']:<19} {dtype:<7} {r['ops']:>4} {r['executions']:>6} "
+                     f"{_mib(r['bytes']):>14}   {r['model_executions']:>7.0f} {_mib(r['model_bytes']):>14}  {err:>7}"
+                     f"   {hidden:>4}{flag}{cond}")
+        if len(r["sent"]) > 1:
+            lines.append("      sent as " + ", ".join(f"{t} {_mib(b)}" for t, b in r["sent"].items()))
         if r["model"]:
             lines.append(f"      model: {'; '.join(r['model'])}")
         elif r["bytes"] <= SCALAR_BYTES:
@@ -272,6 +303,12 @@ def format_report(a: dict, title: str) -> str:
         err = f"{f['error'] * 100:+.1f}%" if f["error"] is not None else "-"
         lines.append(f"  {axis:<8} compiled {f['executions']:>6} runs {_mib(f['bytes']):>14}   model "
                      f"{f['model_executions']:>7.0f} runs {_mib(f['model_bytes']):>14}  {err:>7}")
+    lines.append("overlap in the compiled schedule (asynchronous, with compute scheduled between start and done; "
+                 "the rest exposed):")
+    for axis, o in a["overlap"].items():
+        share = f"{o['overlapped_fraction']:.0%}" if o["overlapped_fraction"] is not None else "-"
+        lines.append(f"  {axis:<8} overlapped {_mib(o['overlapped']):>14}   exposed {_mib(o['exposed']):>14}   ({share} of "
+                     f"the bytes; {o['overlapped_ops']} of {o['ops']} collectives, {o['async_ops']} asynchronous)")
     mem = a["memory"]
     parts = ", ".join(f"{k} {_mib(v)}" for k, v in mem["model"].items() if k not in ("total", "host") and v)
     if mem["model"].get("host"):  # remat=save_attn_mlp_offload: pinned host memory, not in the total
@@ -297,6 +334,13 @@ def format_report(a: dict, title: str) -> str:
         lines.append(f"  compiled matmuls include {dots['convolution'] / 1e9:,.2f} G from convolutions (the compiler's "
                      f"form of dot_general)" + (f"; {dots['uncounted_convolutions']} convolution(s) not read"
                                                 if dots.get("uncounted_convolutions") else ""))
+    if a.get("fp8"):
+        e = a["fp8"]
+        why = "; ".join(f"{n} {reason}" for reason, n in e["not_fp8"].items()) or "none"
+        lines.append(f"FP8 GEMMs per step (matmul executions, each layer's own): {e['fp8_gemms']} of the "
+                     f"{e['fp8_dot_general']} matmuls through the FP8 dot_general run on FP8 operands (forward "
+                     f"{e['fp8_gemms_forward']} of {e['fp8_dot_general_forward']}, backward {e['fp8_gemms_backward']} "
+                     f"of {e['fp8_dot_general_backward']}: {', '.join(e['operand_types']) or '-'}); not FP8: {why}")
     loops = a.get("loops", [])
     if any(lp["source"] != "known_trip_count" for lp in loops):
         derived = [lp for lp in loops if lp["source"] == "condition"]

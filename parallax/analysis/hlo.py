@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# (a ragged all-to-all's bytes are its output buffer: sized for the most tokens that can arrive,
+# an upper bound on what the step sends)
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
@@ -46,6 +48,7 @@ class Collective:
     in_loop: bool
     op_name: str  # JAX's name for the op that produced it, e.g. ".../transpose(jvp(...))/while/..."
     conditional: bool = False  # inside a conditional branch: `executions` is an upper bound
+    sent: tuple[tuple[str, int], ...] = ()  # (element type, bytes per execution) of the result buffers
 
     @property
     def bytes_per_step(self) -> int:
@@ -58,6 +61,15 @@ def _shape_bytes(text: str) -> int:
         if dtype in _DTYPE_BYTES:
             total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
     return total
+
+
+def _bytes_by_dtype(text: str) -> tuple[tuple[str, int], ...]:
+    """((element type, bytes), ...) of the arrays in a shape, by type."""
+    out: dict[str, int] = {}
+    for dtype, dims in _ARRAY.findall(text):
+        if dtype in _DTYPE_BYTES:
+            out[dtype] = out.get(dtype, 0) + _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return tuple(sorted(out.items()))
 
 
 def _split_computations(hlo: str) -> dict[str, list[str]]:
@@ -232,6 +244,23 @@ def _executions(comps: dict[str, list[str]]) -> tuple[dict[str, int], set[str]]:
     return runs, branched
 
 
+def computations(hlo: str) -> dict[str, list[str]]:
+    """{computation ('ENTRY' for the entry): its instruction lines}. In a scheduled module (every
+    accelerator compiler's output) the lines are in execution order."""
+    return _split_computations(hlo)
+
+
+def runs_per_step(comps: dict[str, list[str]]) -> dict[str, int]:
+    """Times each computation runs per step, through the enclosing loops' trip counts."""
+    return _executions(comps)[0]
+
+
+def collective_names(lines: list[str]) -> list[str]:
+    """The names of the collectives among a computation's lines (their -start when async), as
+    `collectives` names them."""
+    return [m.group(1) for line in lines if (m := _INSTR.match(line))]
+
+
 def while_loops(hlo: str) -> list[dict]:
     """Every while loop with its trip count and its source ('known_trip_count', 'condition' or
     'unknown', trip_count None)."""
@@ -327,19 +356,21 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
             name, result, kind, start = m.groups()
             groups = _groups(line, math.prod(mesh_shape.values()))
             axes = groups_to_axes(groups, mesh_shape) if groups else ()
-            nbytes = _shape_bytes(result)
+            nbytes, sent = _shape_bytes(result), result
             if start:  # an async start: its results are what its -done returns
                 done = dones.get(name)
                 # (XLA:GPU's all-reduce-start returns the results alone, its all-gather- and
                 # reduce-scatter-start (operands, results); with no -done found, half the tuple)
                 nbytes = _shape_bytes(done) if done is not None else nbytes // 2
+                sent = done if done is not None else result
             op = re.search(r'op_name="([^"]*)"', line)
             if kind == "all-reduce" and comp in scatters:
                 shard, caller = scatters[comp]
                 kind, nbytes, op = "reduce-scatter", _shape_bytes(shard), re.search(r'op_name="([^"]*)"', caller)
+                sent = shard
             found.append(Collective(
                 kind, name, comp, axes, nbytes, runs.get(comp, 1), runs.get(comp, 1) > 1, op.group(1) if op else "",
-                comp in branched,
+                comp in branched, _bytes_by_dtype(sent),
             ))
     return found
 
@@ -348,6 +379,8 @@ _DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = [a-z0-9]+\[([0-9,]*)\]")
 _DOT = re.compile(r"^\s*(?:ROOT )?%\S+ = [a-z0-9]+\[([0-9,]*)\]\S* dot\(%([^,\s)]+),.*?lhs_contracting_dims=\{([0-9,]*)\}")
 
 
+# (the first array of the result is the product; the second, if any, cuBLAS's workspace)
+_GEMM_CALL = re.compile(r"^\s*(?:ROOT )?%\S+ = \(?[a-z0-9]+\[([0-9,]*)\]\S* .*?custom-call\(%([^,\s)]+),")
 _CONV = re.compile(r"^\s*(?:ROOT )?%\S+ = [a-z0-9]+\[([0-9,]*)\]\S* convolution\(%([^,\s)]+), %([^,\s)]+)\)(.*)")
 
 
@@ -394,7 +427,7 @@ def conv_macs(out: list[int], lhs: list[int], rhs: list[int], attrs: str) -> int
 
 def dot_flops(hlo: str) -> dict[str, float]:
     """Matmul FLOPs one device executes per step, counted from the HLO with loop trips (XLA's own
-    cost analysis counts a loop body once). `conditional`: the part inside conditional branches,
+    cost analysis counts a loop body once): dots, convolutions and cuBLAS GEMM custom calls. `conditional`: the part inside conditional branches,
     counted on every trip (an upper bound: 1F1B's busy branches run on M of its ticks).
     `convolution`: the part from convolutions (the TPU compiler's form of every dot_general: see
     conv_macs); `uncounted_convolutions`: convolutions whose FLOPs could not be read."""
@@ -410,6 +443,13 @@ def dot_flops(hlo: str) -> dict[str, float]:
                 lhs = [int(v) for v in shapes[d.group(2)].split(",") if v]
                 out = math.prod(int(v) for v in d.group(1).split(",") if v)
                 flops = 2.0 * out * math.prod(lhs[int(i)] for i in d.group(3).split(",") if i) * runs.get(comp, 1)
+            elif "__cublas$" in line and (g := _GEMM_CALL.match(line)) and g.group(2) in shapes:
+                # a cuBLAS GEMM custom call (XLA:GPU's form of some dots): [out] x contracted
+                lhs = [int(v) for v in shapes[g.group(2)].split(",") if v]
+                contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', line)
+                k = math.prod(lhs[int(i)] for i in re.findall(r'"(\d+)"', contracting.group(1))) if contracting else 0
+                out = math.prod(int(v) for v in g.group(1).split(",") if v)
+                flops = 2.0 * out * k * runs.get(comp, 1)
             elif " convolution(" in line and (c := _CONV.match(line)):
                 dims = [[int(v) for v in x.split(",") if v] if x is not None else None
                         for x in (c.group(1), shapes.get(c.group(2)), shapes.get(c.group(3)))]

@@ -25,6 +25,7 @@ Single-device math with logical names only. The one communication, moving each e
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
@@ -34,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from parallax.config import MoEConfig, moe_capacity
 from parallax.model.layers import MLP, DotGeneralFactory, make_dot, param_matmul
-from parallax.model.logical import MLP_WI, ParamPlacer, constrain, constrain_param
+from parallax.model.logical import MLP_WI, ParamPlacer, constrain, constrain_param, param_placement, varying_axes
 
 SLOTS = ("activation_batch", None, None, "activation_embed")  # [G, E, C, D] before the exchange
 EXPERT_SLOTS = ("activation_batch_no_expert", "activation_expert", None, "activation_embed")  # after
@@ -186,17 +187,78 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     return order, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 
-def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Array) -> jax.Array:
+def _grouped_weight_grad(x: jax.Array, g: jax.Array, sizes: jax.Array, out_dtype: Any) -> jax.Array:
+    """dw[e] = x[group e]^T g[group e]: [M, K] x [M, N] -> [E, K, N] in `out_dtype`, one GEMM over
+    the ragged (contracted) row dimension, as jax's own transpose of ragged_dot computes it, but
+    emitting `out_dtype` (jax's emits the forward's dtype)."""
+    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    native = lambda x, g: jax.lax.ragged_dot_general(x, g, sizes, dims, preferred_element_type=out_dtype)  # noqa: E731
+    if jnp.dtype(out_dtype).itemsize <= max(x.dtype.itemsize, g.dtype.itemsize):
+        return native(x, g)
+    # XLA:CPU refuses some bf16 x bf16 -> f32 dots at run time (layers.weight_grad_dot): exact upcast there
+    upcast = lambda x, g: native(x.astype(out_dtype), g.astype(out_dtype))  # noqa: E731
+    return jax.lax.platform_dependent(x, g, cpu=upcast, default=native)
+
+
+def grouped_param_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, dtype: Any, grad_dtype: Any) -> jax.Array:
+    """x [M, K] (rows grouped by expert) times the master weight w [E, K, N] cast to `dtype`, as
+    ragged_dot; the weight gradient leaves its GEMM in `grad_dtype` (parallel.grad_reduce_dtype), so
+    its reduction over the batch axes (where the ragged shard_map is transposed) runs in that dtype,
+    as layers.param_matmul does for every other weight. Plain autodiff of the cast gave bfloat16
+    partial sums reduced over `data` in bfloat16 (found on the compile-only h100-8, 2026-12-02)."""
+    return _grouped_param_dot(jnp.dtype(dtype).name, jnp.dtype(grad_dtype).name)(x, w, sizes)
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_param_dot(dtype: str, grad_dtype: str):
+    """The custom VJP for one (compute, gradient) dtype pair: dtypes are closed over, not passed
+    (jax 0.10.2's custom_vjp refused a numpy dtype as a nondiff argument under grad)."""
+
+    @jax.custom_vjp
+    def dot(x, w, sizes):
+        return jax.lax.ragged_dot(x, w.astype(dtype), sizes, preferred_element_type=dtype)
+
+    def fwd(x, w, sizes):
+        wc = w.astype(dtype)
+        return jax.lax.ragged_dot(x, wc, sizes, preferred_element_type=dtype), (x, wc, sizes, w)
+
+    def bwd(res, g):
+        x, wc, sizes, w = res
+        dx = jax.lax.ragged_dot(g, jnp.swapaxes(wc, 1, 2), sizes, preferred_element_type=x.dtype)  # [M, K]
+        dw = _grouped_weight_grad(x, g, sizes, grad_dtype)  # [E, K, N]
+        # Inside the ragged shard_map (manual over the batch axes) the weight is replicated over
+        # `data` and this device's partial sum varies over it: reduce here, in grad_dtype (the
+        # cotangent must vary as its primal does; the transpose of the shard_map would otherwise
+        # have reduced it, in whatever dtype came out)
+        extra = tuple(sorted(varying_axes(dw) - varying_axes(w)))
+        if extra:
+            dw = jax.lax.psum(dw, extra)
+        return dx, dw.astype(w.dtype), None
+
+    dot.defvjp(fwd, bwd)
+    return dot
+
+
+def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Array,
+                   grad_dtype: Any = None) -> jax.Array:
     """[M, D] tokens sorted by expert (group i: the next group_sizes[i] rows) -> [M, D], each row
     through its group's SwiGLU expert (wi [E', D, 2, F], wo [E', F, D]). Rows past
     sum(group_sizes) (padding of a static buffer) belong to no group; their output is not used.
     Gate and up are two ragged_dots, not one over a reshaped [E', D, 2F] weight: F may be sharded
-    (over tensor) and merging it with the 2 would force a reshard."""
+    (over tensor) and merging it with the 2 would force a reshard.
+    `grad_dtype`: the weights are float32 masters, cast here, their gradients in `grad_dtype`
+    (grouped_param_dot); None: they come in the compute dtype (ZeRO-3's gathered copies) and
+    their gradients leave in it."""
     dtype = x.dtype
-    gate = jax.lax.ragged_dot(x, wi[:, :, 0, :].astype(dtype), group_sizes, preferred_element_type=dtype)  # [M, F]
-    up = jax.lax.ragged_dot(x, wi[:, :, 1, :].astype(dtype), group_sizes, preferred_element_type=dtype)
+    if grad_dtype is None:
+        dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(dtype), group_sizes, preferred_element_type=dtype)  # noqa: E731
+    else:
+        dot = lambda a, w: grouped_param_dot(a, w, group_sizes, dtype, grad_dtype)  # noqa: E731
+    gate = dot(x, wi[:, :, 0, :])  # [M, F]
+    up = dot(x, wi[:, :, 1, :])
     gate, up = checkpoint_name(gate, MLP_WI), checkpoint_name(up, MLP_WI)  # kept under remat=save_attn_mlp
-    return jax.lax.ragged_dot(nn.silu(gate) * up, wo.astype(dtype), group_sizes, preferred_element_type=dtype)
+    return dot(nn.silu(gate) * up, wo)
 
 
 def inverse_permutation(order: jax.Array) -> jax.Array:
@@ -204,15 +266,16 @@ def inverse_permutation(order: jax.Array) -> jax.Array:
     return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
 
 
-def ragged_layer(num_experts: int) -> RaggedLayer:
-    """The ragged path's local math on one device's tokens (see RaggedLayer)."""
+def ragged_layer(num_experts: int, grad_dtype: Any = None) -> RaggedLayer:
+    """The ragged path's local math on one device's tokens (see RaggedLayer); `grad_dtype` as
+    grouped_swiglu's."""
 
     def layer(x, experts, gates, wi, wo, through) -> jax.Array:
         g, s, d = x.shape
         k = experts.shape[-1]
         order, sizes = sort_by_expert(experts, num_experts)  # [N], [E]
         tokens = x.reshape(g * s, d)[order // k]  # [N, D]: assignment n is token n // k
-        out = through(grouped_swiglu)(tokens, sizes, wi, wo)  # [N, D] in sorted order
+        out = through(functools.partial(grouped_swiglu, grad_dtype=grad_dtype))(tokens, sizes, wi, wo)  # [N, D] sorted
         # back to (token, choice) order: a gather, not a scatter
         out = out[inverse_permutation(order)].reshape(g, s, k, d)
         return jnp.einsum("gskd,gsk->gsd", out, gates.astype(x.dtype))
@@ -285,9 +348,19 @@ class MoE(nn.Module):
             raise ValueError("model.moe.dispatch='ragged' runs its experts with ragged_dot, which has no FP8 path")
         d, e, f = x.shape[-1], c.num_experts, self.d_ff
         e_here = self.exchange.experts_here(e)
-        wi = self._kernel("wi", (e_here, d, 2, f), ("exp", "embed", None, "mlp"), self.init_std, self.dtype)
-        wo = self._kernel("wo", (e_here, f, d), ("exp", "mlp", "embed"), self.out_std, self.dtype)
-        y = self.exchange.ragged(ragged_layer(e), x.astype(self.dtype), routing.experts, routing.gates, wi, wo)
+        wi_axes, wo_axes = ("exp", "embed", None, "mlp"), ("exp", "mlp", "embed")
+        if param_placement(self.placer, wi_axes).pinned:
+            # ZeRO-3: gathered in the compute dtype outside the exchange (half the bytes); their
+            # gradients leave in it (a custom VJP over the gather is still to come)
+            wi = self._kernel("wi", (e_here, d, 2, f), wi_axes, self.init_std, self.dtype)
+            wo = self._kernel("wo", (e_here, f, d), wo_axes, self.out_std, self.dtype)
+            grad_dtype = None
+        else:  # the float32 masters go in, cast inside, their gradients in grad_dtype
+            wi = self._master("wi", (e_here, d, 2, f), wi_axes, self.init_std)
+            wo = self._master("wo", (e_here, f, d), wo_axes, self.out_std)
+            grad_dtype = self.grad_dtype
+        y = self.exchange.ragged(ragged_layer(e, grad_dtype), x.astype(self.dtype), routing.experts, routing.gates,
+                                 wi, wo)
         if c.shared_experts:
             y = y + MLP(c.shared_experts * f, self.init_std, self.out_std, self.dtype, self.dot_general,
                         self.grad_dtype, self.placer, name="shared")(x)

@@ -414,7 +414,8 @@ def _libraries(platform: str) -> list[Path]:
     if platform == "gpu":
         plugin = under("jax_plugins", "xla_*/*.so")
         return under("jaxlib", "libjax_common.so") + plugin if plugin else []
-    return under("libtpu", "*.so")
+    # libtpu.so parses the flags; the wheel ships other libraries beside it (sdk.so) that do not
+    return under("libtpu", "libtpu*.so")
 
 
 def flags_defined_in(libraries: list[Path]):
@@ -444,6 +445,15 @@ def apply_overlap_flags(platform: str | None, environ=os.environ) -> str | None:
         environ[var] = updated
         return f"parallax: {var} += {' '.join(added)} (collective/compute overlap; set them yourself to override)"
     return None
+
+
+def overlap_options(platform: str) -> dict[str, bool]:
+    """The overlap flags as compiler options (audit.compile_step for a compile-only target): the
+    program compiled for a target is the one a training run on it compiles, with the flags
+    `apply_overlap_flags` would set there (only those the installed library defines)."""
+    table = {"gpu": GPU_FLAGS, "tpu": TPU_FLAGS}.get(platform, {})
+    defined = flags_defined_in(_libraries(platform)) if table else None
+    return {k: v == "true" for k, v in table.items() if defined(k)}
 
 
 # ----------------------------------------------------------------------------------------------
