@@ -4,9 +4,10 @@
 
 Compiles the train step of a small bf16 model on data 2 x tensor 2 x pipe 2 (M = 4) for a
 compile-only target (nothing runs; "compiled for TARGET, not run") with GPipe and with 1F1B, and
-reads the scheduled HLO: for every asynchronous collective-permute (start/done pair) over `pipe`,
-whether the compiler scheduled compute (a fusion, custom call, convolution or dot) between its
-start and its done, and the share of the send bytes that is so overlapped.
+reads the scheduled HLO through the audit (analysis/overlap.py): for every collective-permute over
+`pipe`, whether the compiler scheduled compute (a GEMM, convolution or attention kernel, or a
+loop or call holding one) between its start and its done, and the share of the send bytes that is
+so overlapped. The target compiles with the overlap flags a run sets (distributed.GPU_FLAGS).
 
 GPipe sends two half-microbatches per tick, the first behind the second half's compute
 (pipeline.run_pipeline). 1F1B sends the tick's activation and its cotangent: both are produced at
@@ -16,41 +17,9 @@ the tick's end, so at most one can run behind the other's compute within the tic
 from __future__ import annotations
 
 import argparse
-import re
 
-from parallax.analysis.audit import compile_step
+from parallax.analysis.audit import audit
 from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
-
-_START = re.compile(r"%(\S+) = (.*?) collective-permute-start\(")
-_DONE = re.compile(r"collective-permute-done\(.*?%(\S+?)\)")
-_WORK = re.compile(r" (fusion|custom-call|convolution|dot)\(")
-_BYTES = {"bf16": 2, "f32": 4, "f16": 2, "s32": 4}
-
-
-def _payload(shape: str) -> int:
-    """Bytes of the first array in a start's result shape, e.g. (bf16[4,128,256], ...)."""
-    m = re.search(r"(bf16|f32|f16|s32)\[([0-9,]*)\]", shape)
-    n = 1
-    for d in (m.group(2).split(",") if m and m.group(2) else []):
-        n *= int(d)
-    return n * _BYTES[m.group(1)] if m else 0
-
-
-def overlap(hlo: str) -> tuple[int, int, int, int]:
-    """(pairs, pairs with compute between, bytes, overlapped bytes) over every computation."""
-    pairs = overlapped = total = hidden = 0
-    for comp in re.split(r"\n(?=\S.*\{\s*$)", hlo):
-        lines = comp.splitlines()
-        starts = {}
-        for i, line in enumerate(lines):
-            if m := _START.search(line):
-                starts[m.group(1)] = (i, _payload(m.group(2)))
-            if (m := _DONE.search(line)) and m.group(1) in starts:
-                at, size = starts[m.group(1)]
-                busy = any(_WORK.search(x) for x in lines[at + 1:i])
-                pairs, overlapped = pairs + 1, overlapped + busy
-                total, hidden = total + size, hidden + size * busy
-    return pairs, overlapped, total, hidden
 
 
 def main() -> None:
@@ -61,10 +30,14 @@ def main() -> None:
     for schedule in ("gpipe", "1f1b"):
         cfg = Config(mesh=MeshConfig(data=2, tensor=2, pipe=2), model=model,
                      parallel=ParallelConfig(microbatches=4, schedule=schedule), train=TrainConfig(global_batch=16, seq_len=128))
-        pairs, busy, total, hidden = overlap(compile_step(cfg, None, args.target).hlo)
+        a = audit(cfg, None, args.target)
+        sends = [r for r in a["collectives"] if r["axes"] == ["pipe"] and r["kind"] == "collective-permute"]
+        total = sum(r["bytes"] for r in sends)
+        hidden = sum(r["overlapped_bytes"] for r in sends)
         share = hidden / total if total else float("nan")
-        print(f"{schedule:6s} compiled for {args.target}, not run: {pairs} collective-permute start/done pairs in the "
-              f"step, {busy} with compute scheduled between; {share:.0%} of their bytes overlapped")
+        print(f"{schedule:6s} compiled for {args.target}, not run: {sum(r['ops'] for r in sends)} collective-permutes "
+              f"over pipe, {total / 2**20:.2f} MiB per step; {share:.0%} of the bytes with a GEMM scheduled between "
+              f"start and done")
 
 
 if __name__ == "__main__":

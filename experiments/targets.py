@@ -1,0 +1,119 @@
+"""Real shapes on real compilers, compiled for TPU pods and GPU clusters with no device (issue 15).
+
+    python experiments/targets.py --list
+    python experiments/targets.py                 # every row (hours on 2 cores)
+    python experiments/targets.py --only llama3-8b/h100-64 --only llama3-8b/v5p-128
+
+Each row compiles the real train step of a published shape for a named compile-only target
+(parallel/targets.py: libtpu's topologies, the CUDA plugin's GPU topologies) with the overlap flags
+a run on it sets, and prints one line from `parallax audit`'s reading of the compiled program:
+fits or not (XLA's peak against the device's memory), peak GiB per device (compiler, cost model),
+collective GiB per step per device per axis, the share of those bytes the schedule overlaps
+with compute, FP8 GEMMs per step, compile time. Every figure is "compiled for TARGET, not run":
+nothing executes, kernels are not autotuned (XLA:GPU picks default tiles without a device).
+
+Token arithmetic per row (global batch x sequence): Llama-3-8B 128 x 8,192 = 1M tokens; 70B
+256 x 8,192 = 2M; Mixtral 256 x 4,096 = 1M; flagship 256 x 4,096 = 1M; the 1T dense 8,192 x 2,048
+= 16.8M (Megatron's shape). Attention runs in query blocks of 1,024 (parallel.attention_chunk)
+where T = 8,192, so no [B, N, T, T] score buffer (fused kernels: issue 17).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices need no backend of their own
+
+from parallax.analysis.presets import DEVICES, PRESETS  # noqa: E402
+from parallax.config import (Config, Fp8Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig,  # noqa: E402
+                             TrainConfig)
+
+GIB = 2**30
+LLAMA3_8B = ModelConfig(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=128256,
+                        dtype="bfloat16", rope_theta=500000.0)
+LLAMA3_70B = ModelConfig(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672, vocab_size=128256,
+                         dtype="bfloat16", rope_theta=500000.0)
+MIXTRAL = PRESETS["mixtral-8x7b"].model
+# the flagship at real width: 4 axes, MoE blocks (every other) inside pipeline stages, FP8
+FLAGSHIP = ModelConfig(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=32000,
+                       dtype="bfloat16", moe=MoEConfig(num_experts=8, top_k=2, every=2, capacity_factor=1.25))
+DENSE_1T = PRESETS["dense-1t"].model
+
+
+def _cfg(name, model, mesh, batch, seq, **parallel) -> Config:
+    parallel = {"remat": "full", "attention_chunk": 1024 if seq > 4096 else 0, **parallel}
+    fp8 = parallel.pop("fp8", False)
+    return Config(name=name, model=model, mesh=MeshConfig(**mesh), parallel=ParallelConfig(**parallel),
+                  fp8=Fp8Config(enabled=fp8), train=TrainConfig(global_batch=batch, seq_len=seq))
+
+
+ROWS = {
+    "llama3-8b/v5p-128": _cfg("llama3-8b", LLAMA3_8B, dict(data=64), 128, 8192, zero=3),
+    "llama3-8b/h100-64": _cfg("llama3-8b", LLAMA3_8B, dict(data=8, tensor=8), 128, 8192, zero=3,
+                              sequence_parallel=True),
+    "llama3-70b/v5p-512": _cfg("llama3-70b", LLAMA3_70B, dict(data=64, tensor=4), 256, 8192, zero=3,
+                               sequence_parallel=True),
+    "mixtral-8x7b/v5p-256": _cfg("mixtral-8x7b", MIXTRAL, dict(data=16, expert=8), 256, 4096, zero=3),
+    "flagship/tpu7x-256": _cfg("flagship", FLAGSHIP, dict(data=8, tensor=4, pipe=4, expert=2), 256, 4096, zero=1,
+                               microbatches=16, fp8=True),
+    "flagship/h100-64": _cfg("flagship", FLAGSHIP, dict(data=2, tensor=8, pipe=2, expert=2), 256, 4096, zero=1,
+                             microbatches=8, fp8=True),
+    "dense-1t/h100-16384": _cfg("dense-1t", DENSE_1T, dict(data=128, tensor=8, pipe=16), 8192, 2048, zero=1,
+                                microbatches=64, sequence_parallel=True),
+}
+
+
+def row(key: str) -> dict:
+    """Compile one row and read it back (audit.audit: collectives, overlap, memory, FP8 GEMMs)."""
+    from parallax.analysis.audit import audit
+    from parallax.parallel.targets import target
+
+    cfg, name = ROWS[key], key.split("/")[1]
+    t = target(name)
+    started = time.perf_counter()
+    a = audit(cfg, None, name)
+    out = {"row": key, "target": name, "devices": t.devices, "compile_s": time.perf_counter() - started,
+           "device_kind": a["device_kind"], "memory": a["memory"], "axes": a["axes"], "overlap": a["overlap"],
+           "fp8": a["fp8"]}
+    # memory per JAX device from the planner's device table (a chip's HBM over its devices);
+    # None where the table has no entry (tpu7x): fits is then '?'
+    dev = DEVICES.get(t.device_type) if t.device_type else None
+    out["hbm"] = dev.hbm_bytes * t.chips / t.devices if dev else None
+    return out
+
+
+def line(r: dict) -> str:
+    mem = r["memory"]
+    xla = mem["xla"]["peak"] / GIB if mem["xla"] else float("nan")
+    model = mem["model"]["total"] / GIB
+    fits = "?" if r["hbm"] is None or not mem["xla"] else ("fits" if mem["xla"]["peak"] <= r["hbm"] else "DOES NOT FIT")
+    axes = ", ".join(f"{k} {v['bytes'] / GIB:.2f}" for k, v in r["axes"].items())
+    hidden = ", ".join(f"{k} {v['overlapped_fraction']:.0%}" for k, v in r["overlap"].items()
+                       if v["overlapped_fraction"] is not None)
+    fp8 = f"; FP8 GEMMs {r['fp8']['fp8_gemms']} of {r['fp8']['fp8_dot_general']}" if r["fp8"] else ""
+    return (f"{r['row']:<22} {fits:<12} peak {xla:6.1f} GiB (model {model:6.1f}); collectives GiB/step: {axes}; "
+            f"overlapped: {hidden}{fp8}; compiled in {r['compile_s']:.0f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", action="append", choices=sorted(ROWS), help="one row (repeatable); default: all")
+    ap.add_argument("--list", action="store_true", help="print the rows and their layouts")
+    args = ap.parse_args()
+    if args.list:
+        for key, cfg in ROWS.items():
+            mesh = " x ".join(f"{k} {v}" for k, v in dataclasses.asdict(cfg.mesh).items() if v > 1)
+            print(f"{key:<22} {mesh} ({math.prod(v for v in dataclasses.asdict(cfg.mesh).values())} devices), "
+                  f"ZeRO-{cfg.parallel.zero}, batch {cfg.train.global_batch} x {cfg.train.seq_len}")
+        return
+    print("compiled for the target, not run (jax 0.10.2; libtpu / jax-cuda12-plugin as installed)")
+    for key in args.only or list(ROWS):
+        print(line(row(key)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
