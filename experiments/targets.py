@@ -91,11 +91,14 @@ def line(r: dict) -> str:
     xla = mem["xla"]["peak"] / GIB if mem["xla"] else float("nan")
     model = mem["model"]["total"] / GIB
     fits = "?" if r["hbm"] is None or not mem["xla"] else ("fits" if mem["xla"]["peak"] <= r["hbm"] else "DOES NOT FIT")
-    axes = ", ".join(f"{k} {v['bytes'] / GIB:.2f}" for k, v in r["axes"].items())
+    # compiled GiB per step per device, and the cost model's error against it
+    axes = ", ".join(f"{k} {v['bytes'] / GIB:.2f}" + (f" ({v['error'] * 100:+.0f}%)" if v["error"] is not None else "")
+                     for k, v in r["axes"].items())
     hidden = ", ".join(f"{k} {v['overlapped_fraction']:.0%}" for k, v in r["overlap"].items()
                        if v["overlapped_fraction"] is not None)
     fp8 = f"; FP8 GEMMs {r['fp8']['fp8_gemms']} of {r['fp8']['fp8_dot_general']}" if r["fp8"] else ""
-    return (f"{r['row']:<22} {fits:<12} peak {xla:6.1f} GiB (model {model:6.1f}); collectives GiB/step: {axes}; "
+    return (f"{r['row']:<22} {fits:<12} peak {xla:6.1f} GiB (model {model:6.1f}); collectives GiB/step "
+            f"(model error): {axes}; "
             f"overlapped: {hidden}{fp8}; compiled in {r['compile_s']:.0f} s")
 
 

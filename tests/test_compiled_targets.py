@@ -19,7 +19,7 @@ import pytest
 from parallax.analysis.audit import FAST_COMPILE, audit, compile_step
 from parallax.analysis.hlo import collectives
 from parallax.analysis.overlap import Placement, placement_of, placements
-from parallax.config import Config, MeshConfig, MoEConfig, ParallelConfig, TrainConfig
+from parallax.config import Config, Fp8Config, MeshConfig, MoEConfig, ParallelConfig, TrainConfig
 from test_targets import CFG, MODEL, cuda_plugin, libtpu  # noqa: F401 - fixtures: a failure under CI without them
 
 BATCH = TrainConfig(global_batch=8, seq_len=64)
@@ -216,3 +216,14 @@ ENTRY %main (x: f32[8,8], y: bf16[8,8], z: bf16[4,8]) -> f32[8,8] {
     assert set(found) == {"all-reduce-start.1", "all-reduce-start.2", "all-reduce.3", "all-gather.9"}
     assert not placement_of(found["all-reduce.3"], table).asynchronous
     assert found["all-reduce-start.1"].sent == (("f32", 256),) and found["all-gather.9"].sent == (("bf16", 128),)
+
+
+def test_tpu7x_keeps_the_fp8_matmuls_fp8(libtpu):  # noqa: F811
+    """Ironwood (tpu7x) has FP8 matrix units: the TPU compiler keeps every matmul of the FP8
+    dot_general on f8 operands (convolutions), forward and both backward matmuls, per layer; the
+    audit names the others (measured 2026-12-02, libtpu 0.0.42.1: 24 of 24; 12 attention, 4 head)."""
+    e = audit(dataclasses.replace(CFG, fp8=Fp8Config(enabled=True)), FAST_COMPILE, target="tpu7x-8")["fp8"]
+    layers = MODEL.n_layers
+    assert (e["fp8_gemms_forward"], e["fp8_gemms_backward"]) == (4 * layers, 8 * layers), e
+    assert e["fp8_gemms"] == e["fp8_dot_general"]
+    assert set(e["operand_types"]) <= {"f8e4m3fn x f8e4m3fn", "f8e5m2 x f8e4m3fn", "f8e4m3fn x f8e5m2"}
