@@ -67,15 +67,20 @@ ROWS = {
 }
 
 
-def row(key: str) -> dict:
-    """Compile one row and read it back (audit.audit: collectives, overlap, memory, FP8 GEMMs)."""
-    from parallax.analysis.audit import audit
+def row(key: str, dump: str | None = None) -> dict:
+    """Compile one row and read it back (audit.audit: collectives, overlap, memory, FP8 GEMMs);
+    `dump`: a directory to write the compiled HLO text into, as ROW.hlo."""
+    from parallax.analysis.audit import audit, compile_step
     from parallax.parallel.targets import target
 
     cfg, name = ROWS[key], key.split("/")[1]
     t = target(name)
     started = time.perf_counter()
     a = audit(cfg, None, name)
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, key.replace("/", "_") + ".hlo"), "w") as f:
+            f.write(compile_step(cfg, None, name).hlo)  # cached: the same compile
     out = {"row": key, "target": name, "devices": t.devices, "compile_s": time.perf_counter() - started,
            "device_kind": a["device_kind"], "memory": a["memory"], "axes": a["axes"], "overlap": a["overlap"],
            "fp8": a["fp8"]}
@@ -106,6 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", choices=sorted(ROWS), help="one row (repeatable); default: all")
     ap.add_argument("--list", action="store_true", help="print the rows and their layouts")
+    ap.add_argument("--dump", metavar="DIR", help="also write each row's compiled HLO text into DIR")
     args = ap.parse_args()
     if args.list:
         for key, cfg in ROWS.items():
@@ -115,7 +121,7 @@ def main() -> None:
         return
     print("compiled for the target, not run (jax 0.10.2; libtpu / jax-cuda12-plugin as installed)")
     for key in args.only or list(ROWS):
-        print(line(row(key)), flush=True)
+        print(line(row(key, args.dump)), flush=True)
 
 
 if __name__ == "__main__":

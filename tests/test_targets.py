@@ -447,9 +447,11 @@ def test_audit_cli_target_h100_8_prints_the_gpu_report_and_nothing_on_stderr(h10
     assert "compiling for h100-8 (8 compile-only GPU devices, 8 chips; nothing runs)" in out
     assert ("on data=4 x tensor=2 x pipe=1 x expert=1 (h100-8: NVIDIA H100 80GB HBM3, 8 gpu devices), compiled by "
             "XLA:GPU (jax-cuda12-plugin ") in out
-    assert any(line.split()[:2] == ["data", "all-reduce"] for line in out.splitlines()), out
-    assert any(line.split()[:2] == ["tensor", "all-reduce"] for line in out.splitlines()), out
+    assert any(line.split()[:3] == ["data", "all-reduce", "f32"] for line in out.splitlines()), out
+    assert any(line.split()[:3] == ["tensor", "all-reduce", "bf16"] for line in out.splitlines()), out
     assert "memory per device: XLA" in out
+    overlap = out.split("overlap in the compiled schedule")[1].splitlines()
+    assert any(line.split()[:2] == ["data", "overlapped"] for line in overlap), out
 
 
 def test_gpu_target_without_the_plugin_or_ptxas_names_the_install(capsys, experiment, monkeypatch):
