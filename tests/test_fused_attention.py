@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import re
 
 import jax
@@ -30,7 +31,7 @@ import pytest
 
 from parallax.analysis.audit import FAST_COMPILE, audit, compile_step
 from parallax.cli import main
-from parallax.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
+from parallax.config import Config, DataConfig, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
 from parallax.model.attention import causal_attention
 from parallax.model.kernels import splash_attention, splash_block
 from parallax.parallel.fused_attention import FusedAttention
@@ -41,7 +42,7 @@ from parallax.train.train_state import init_state, make_model
 from parallax.train.train_step import make_grad_fn
 from numerics import assert_trees_close
 from test_cli import QUICKSTART, TINY, _assert_one_error_line, _make_workdir, _sets, _snapshot
-from test_targets import _refused, cuda_plugin, experiment, libtpu  # noqa: F401 (fixtures)
+from test_targets import CFG as TARGETS_CFG, _refused, cuda_plugin, experiment, libtpu  # noqa: F401 (fixtures)
 
 OUT_TOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7
@@ -150,3 +151,124 @@ def test_splash_step_under_the_mesh_equals_xla(mesh, parallel):
     (want, want_g), (got, got_g) = out
     np.testing.assert_allclose(got, want, rtol=STEP_LOSS_RTOL)
     assert_trees_close(got_g, want_g, STEP_GRAD_RTOL, GRAD_ATOL)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled for v5e-8 and h100-8 (nothing runs): the kernels in the program, no per-head [T, T]
+
+TT = 256  # T; twice D, so that no activation is mistaken for a [T, T] buffer
+TARGET_CFG = dataclasses.replace(TARGETS_CFG, train=dataclasses.replace(TARGETS_CFG.train, seq_len=TT))
+SP_PACKED = dataclasses.replace(TARGET_CFG, parallel=ParallelConfig(sequence_parallel=True),
+                                data=DataConfig(eod_id=0))
+PIPE_PACKED = dataclasses.replace(TARGET_CFG, mesh=MeshConfig(data=2, tensor=2, pipe=2),
+                                  parallel=ParallelConfig(microbatches=2), data=DataConfig(eod_id=0))
+_SHAPE = re.compile(r"\b(?:pred|s8|u8|s32|bf16|f16|f32)\[([\d,]+)\]")
+
+
+def _per_head_tt(hlo: str) -> set[tuple[int, ...]]:
+    """Per-head [T, T] buffers ([b, n, T, T] scores, probabilities, masks): rank >= 4 with T, T
+    last and more than one head before them. A mask shared by the heads ([b, 1, T, T] or [b, T,
+    T]: cuDNN's packed-document bias) and a [T, T] causal mask are not counted."""
+    found = set()
+    for dims in _SHAPE.findall(hlo):
+        d = tuple(int(x) for x in dims.split(","))
+        if len(d) >= 4 and d[-2:] == (TT, TT) and d[-3] > 1:
+            found.add(d)
+    return found
+
+
+def _splash_calls(calls: dict) -> set[str]:
+    return {name.split("_")[2] for name in calls}  # splash_mha_fwd_residuals -> fwd
+
+
+def test_v5e_8_step_runs_splash_with_sequence_parallelism_and_packed_documents(libtpu):
+    """data 4 x tensor 2, sequence parallelism, packed documents: the forward, dq and dkv
+    kernels, and no per-head [T, T] buffer, where the same step with model.attention=xla holds
+    its [b, n, T, T] scores (the check can fail)."""
+    a = audit(SP_PACKED, FAST_COMPILE, target="v5e-8")
+    assert a["attention"]["kernel"] == a["attention"]["configured"] == "splash"
+    assert _splash_calls(a["attention"]["calls"]) == {"fwd", "dq", "dkv"}, a["attention"]
+    assert _per_head_tt(compile_step(SP_PACKED, FAST_COMPILE, "v5e-8").hlo) == set()
+    xla = dataclasses.replace(SP_PACKED, model=dataclasses.replace(SP_PACKED.model, attention="xla"))
+    assert (2, 2, TT, TT) in _per_head_tt(compile_step(xla, FAST_COMPILE, "v5e-8").hlo)  # [B/4, N/2, T, T]
+    # the cost model counts what the kernel keeps: no scores, so it sits closer to the compiler
+    assert a["memory"]["model"]["total"] < audit(xla, FAST_COMPILE, target="v5e-8")["memory"]["model"]["total"]
+
+
+def test_v5e_8_pipeline_stages_run_splash(libtpu):
+    """GPipe over pipe 2 with data 2 x tensor 2, packed: the kernel's shard_map nested in the
+    stages' (manual over pipe and the batch axes already), forward and backward."""
+    hlo = compile_step(PIPE_PACKED, FAST_COMPILE, "v5e-8").hlo
+    from parallax.analysis.hlo import attention_kernels
+
+    found = attention_kernels(hlo)
+    assert found["kernel"] == "splash" and _splash_calls(found["calls"]) == {"fwd", "dq", "dkv"}, found
+    assert _per_head_tt(hlo) == set()
+
+
+def test_audit_cli_json_names_the_kernel(libtpu, experiment, capsys):
+    assert main(["audit", experiment, "--target", "v5e-8", "--json", "--set", f"train.seq_len={TT}", "--set",
+                 "parallel.sequence_parallel=True", "--set", "data.eod_id=0"]) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert a["attention"]["kernel"] == "splash" and a["attention"]["calls"]
+    assert main(["audit", experiment, "--target", "v5e-8", "--set", f"train.seq_len={TT}", "--set",
+                 "parallel.sequence_parallel=True", "--set", "data.eod_id=0"]) == 0
+    out = capsys.readouterr().out
+    assert "attention: Pallas splash attention (tpu_custom_call splash_mha_*): splash_mha_dkv" in out, out
+
+
+@pytest.mark.parametrize("cfg, calls", [
+    (TARGET_CFG, {"__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}),
+    # packed: the same-document mask goes in as a bias shared by the heads
+    (SP_PACKED, None),
+], ids=["d4_t2", "d4_t2_sp_packed"])
+def test_h100_8_step_runs_cudnn_forward_and_backward(cuda_plugin, cfg, calls):
+    a = audit(cfg, FAST_COMPILE, target="h100-8")
+    found = a["attention"]
+    assert found["kernel"] == found["configured"] == "cudnn", found
+    names = set(found["calls"])
+    assert len(names) == 2 and any(n.endswith("Backward") for n in names), found
+    if calls is not None:
+        assert found["calls"] == calls
+    assert _per_head_tt(compile_step(cfg, FAST_COMPILE, "h100-8").hlo) == set()
+    # the kernel's matmuls are inside its calls: the compiled dots are the rest of the model's
+    hw = a["flops"]["executed_model"]
+    assert a["flops"]["hlo_dots"]["total"] == pytest.approx(hw["total"] - hw["attention_kernel"], rel=0.05)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one line, exit 2
+
+
+@pytest.mark.parametrize("target_, sets, words", [
+    ("v5e-8", ["model.attention=cudnn"], ["model.attention='cudnn'", "GPU only", "devices are tpu"]),
+    ("h100-8", ["model.attention=splash"], ["model.attention='splash'", "TPU only", "devices are gpu"]),
+    ("v5e-8", ["model.attention=splash"], ["model.attention='splash'", "train.seq_len=64", "multiple of 128"]),
+    ("h100-8", ["model.attention=cudnn", "model.dtype=float32"], ["model.attention='cudnn'", "float32", "bfloat16"]),
+    ("h100-8", ["model.attention=cudnn", "model.d_model=120", "model.n_heads=4"],
+     ["model.attention='cudnn'", "= 30", "multiple of 8", "at most 256"]),
+    ("h100-8", ["model.attention=cudnn", "parallel.attention_chunk=32"],
+     ["parallel.attention_chunk=32", "model.attention='cudnn'", "attention_chunk=0"]),
+], ids=["cudnn-on-tpu", "splash-on-gpu", "splash-seq-len", "cudnn-float32", "cudnn-head-dim", "cudnn-chunk"])
+def test_kernel_the_target_cannot_run_is_refused(capsys, experiment, target_, sets, words):
+    platform_fixture = "libtpu" if target_.startswith("v5e") else "cuda_plugin"
+    if (platform_fixture == "libtpu" and importlib.util.find_spec("libtpu") is None) or (
+            platform_fixture == "cuda_plugin" and importlib.util.find_spec("jax_cuda12_plugin") is None):
+        pytest.skip(f"{target_}: its compiler is not installed")
+    _refused(capsys, ["audit", experiment, "--target", target_, *[a for s in sets for a in ("--set", s)]], *words)
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["model.attention=flash"], ["model.attention", "'flash'", "'auto'", "'splash'"]),
+    # (shapes the kernels take: the platform is what is wrong; before JAX starts the platform is
+    # not known yet, so a shape the kernel cannot take is refused there first, as below)
+    (["model.attention=splash", "train.seq_len=128"], ["model.attention='splash'", "TPU only", "devices are cpu"]),
+    (["model.attention=cudnn", "model.dtype=bfloat16"], ["model.attention='cudnn'", "GPU only", "devices are cpu"]),
+    (["model.attention=splash"], ["model.attention='splash'", "train.seq_len=16", "multiple of 128"]),
+], ids=["unknown", "splash-on-cpu", "cudnn-on-cpu", "splash-seq-len-before-jax"])
+def test_kernel_cpu_cannot_run_is_one_line_exit_2(tmp_path, capsys, sets, words):
+    wd = _make_workdir(tmp_path)
+    before = _snapshot(tmp_path)
+    assert main(["train", str(QUICKSTART), *_sets(*TINY, *sets), "--workdir", str(wd)]) == 2
+    _assert_one_error_line(capsys.readouterr().err, *words)
+    assert _snapshot(tmp_path) == before
