@@ -272,3 +272,29 @@ def test_kernel_cpu_cannot_run_is_one_line_exit_2(tmp_path, capsys, sets, words)
     assert main(["train", str(QUICKSTART), *_sets(*TINY, *sets), "--workdir", str(wd)]) == 2
     _assert_one_error_line(capsys.readouterr().err, *words)
     assert _snapshot(tmp_path) == before
+
+
+def test_cudnn_without_its_library_names_the_install(cuda_plugin, capsys, experiment, monkeypatch):
+    """jax asks the cuDNN library for its version while tracing: missing, one line, exit 2."""
+    import jax._src.cudnn.fused_attention_stablehlo as fa
+
+    def missing():
+        raise RuntimeError("cuDNN is not detected.")
+
+    monkeypatch.setattr(fa, "check_cudnn_version", missing)
+    _refused(capsys, ["audit", experiment, "--target", "h100-8"], "model.attention", "cuDNN", "nvidia-cudnn-cu12",
+             "model.attention=xla")
+
+
+def test_plan_counts_the_attention_the_target_runs(capsys):
+    """`parallax plan` (no --attention): the kernel model.attention compiles to on the device
+    type's platform; a forced xla plans XLA's materialised scores."""
+    def plan(*argv):
+        assert main(["plan", "--preset", "llama2-70b", "--top", "2", "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)["layouts"]
+
+    assert plan("--target", "h100-64") == plan("--target", "h100-64", "--attention", "fused")
+    assert plan("--target", "v5p-512") == plan("--target", "v5p-512", "--attention", "fused")
+    assert plan("--target", "h100-64", "--set", "model.attention=xla") == plan("--target", "h100-64", "--attention",
+                                                                                 "xla")
+    assert plan("--target", "h100-64") != plan("--target", "h100-64", "--attention", "xla")

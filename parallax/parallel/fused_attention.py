@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from parallax.config import ConfigError
 from parallax.model.kernels import KERNELS
 from parallax.model.logical import drop_axes, logical_to_spec, validate_rules, vary, varying_axes
 
@@ -127,6 +128,22 @@ def _untyped_identity(mesh, spec: P, axes: set):
     (XLA folds it away)."""
     return jax.shard_map(lambda x: x * jnp.ones((), x.dtype), mesh=mesh, in_specs=spec, out_specs=spec,
                          axis_names=axes, check_vma=False)
+
+
+def require_kernel(kernel: str) -> None:
+    """cuDNN flash attention needs the cuDNN library even to compile (jax asks it for its version
+    while tracing): where it is missing, one line naming the field and the install, not a
+    traceback from inside jax. Splash needs nothing beyond jax (and libtpu to compile)."""
+    if kernel != "cudnn":
+        return
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+        check_cudnn_version()
+    except Exception as e:  # noqa: BLE001 - RuntimeError "cuDNN is not detected", a loader error, ...
+        raise ConfigError(f"model.attention: cuDNN flash attention (chosen for this GPU mesh) needs the cuDNN "
+                          f"library, which cannot be loaded ({type(e).__name__}: {e}); pip install nvidia-cudnn-cu12 "
+                          "(no GPU is needed to compile), or set model.attention=xla") from None
 
 
 def make_attend(kernel: str, interpret: bool = False) -> FusedAttention | None:
