@@ -107,15 +107,14 @@ def _segments() -> np.ndarray:
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 def test_splash_interpret_equals_xla_attention(packed):
-    q, k, v, ct = _qkv()
-    seg = jnp.asarray(_segments()) if packed else None
+    args = (*_qkv(), jnp.asarray(_segments()) if packed else None)
 
-    def run(fn):
-        out, vjp = jax.vjp(fn, q, k, v)
+    def run(attend, q, k, v, ct, seg):  # arguments, not constants: XLA would fold the whole reference
+        out, vjp = jax.vjp(lambda *a: attend(*a, segment_ids=seg), q, k, v)
         return out, vjp(ct)
 
-    got, got_g = jax.jit(lambda: run(lambda *a: splash_attention(*a, segment_ids=seg, interpret=True)))()
-    want, want_g = jax.jit(lambda: run(lambda *a: causal_attention(*a, segment_ids=seg)))()
+    got, got_g = jax.jit(lambda *a: run(lambda *b, **kw: splash_attention(*b, **kw, interpret=True), *a))(*args)
+    want, want_g = jax.jit(lambda *a: run(causal_attention, *a))(*args)
     np.testing.assert_allclose(got, want, rtol=OUT_TOL, atol=OUT_TOL)
     assert_trees_close(got_g, want_g, GRAD_RTOL, GRAD_ATOL)
 
@@ -134,7 +133,8 @@ STEP_MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=6
 @pytest.mark.parametrize("mesh, parallel", [
     (MeshConfig(data=4, tensor=2), ParallelConfig(sequence_parallel=True, remat="full")),
     (MeshConfig(data=2, tensor=2, pipe=2), ParallelConfig(microbatches=2)),
-], ids=["d4_t2_sp_remat_full", "gpipe_d2_t2_p2"])
+    (MeshConfig(data=2, tensor=2, pipe=2), ParallelConfig(microbatches=2, schedule="1f1b")),
+], ids=["d4_t2_sp_remat_full", "gpipe_d2_t2_p2", "1f1b_d2_t2_p2"])
 def test_splash_step_under_the_mesh_equals_xla(mesh, parallel):
     """The jitted gradient step on 8 CPU devices, packed documents, with splash (interpret mode)
     injected as make_layout would inject it on a TPU: its shard_map over the batch axes and
