@@ -501,7 +501,10 @@ def plan_command(args: argparse.Namespace) -> int:
         from parallax.parallelism import attention_kernel
 
         platform = "tpu" if dev.name.startswith("TPU") else "gpu"
-        args.attention = "xla" if attention_kernel(cfg, platform) == "xla" else "fused"
+        kernel = attention_kernel(cfg, platform)
+        args.attention = "xla" if kernel == "xla" else "fused"
+        notes.append(f"attention: {kernel} (model.attention={cfg.model.attention!r} on {dev.name}), planned as "
+                     f"{'XLA with materialised scores' if kernel == 'xla' else 'a fused kernel (no [B, N, T, T])'}")
     if args.noise_scale is not None and args.noise_scale_from is not None:
         raise UserError("plan: give --noise-scale or --noise-scale-from, not both")
     noise_scale = noise_scale_from(args.noise_scale_from) if args.noise_scale_from is not None else args.noise_scale
