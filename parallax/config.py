@@ -67,6 +67,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    # The attention kernel (model/kernels.py, parallel/fused_attention.py): auto (the platform's
+    # fused kernel where the shapes allow it: cuDNN flash attention on GPU, Pallas splash on TPU;
+    # XLA on CPU, or with parallel.attention_chunk > 0) | xla | cudnn | splash (forced: refused
+    # where the platform or the shapes cannot take it)
+    attention: str = "auto"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 

@@ -38,6 +38,16 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 FP8_COMPUTE_DTYPES = ("float32", "bfloat16")  # what parallax/model/fp8.py quantises from and returns
 FP8_RECIPES = ("delayed", "current")
 MOE_DISPATCH = ("capacity", "ragged")
+ATTENTIONS = ("auto", "xla", "cudnn", "splash")  # model.attention
+# The platform each fused kernel exists on (model/kernels.py); `auto` picks it there.
+KERNEL_PLATFORM = {"cudnn": "gpu", "splash": "tpu"}
+KERNEL_NAMES = {"cudnn": "cuDNN flash attention", "splash": "the Pallas splash kernel"}
+# Splash's query and key blocks are multiples of the TPU's 128 lanes, and T a multiple of a block.
+SPLASH_MIN_BLOCK = 128
+# cuDNN flash attention (jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention): a
+# head dim that is a multiple of 8 and at most 256 on Hopper and later (every GPU target here:
+# h100, h200, b200; 128 before Hopper); bfloat16 or float16 inputs only.
+CUDNN_HEAD_DIM_MULTIPLE, CUDNN_MAX_HEAD_DIM = 8, 256
 GPIPE, CIRCULAR, ONE_F_ONE_B = range(3)
 NONE, FULL, DOTS, SAVE_ATTN_MLP, SAVE_ATTN_MLP_OFFLOAD = range(5)
 # The layout fields a grid varies (cost.Grid has the same names): mesh sizes, then the parallel
@@ -82,6 +92,36 @@ def _stages_fill(units: Any, stages: Any, repeats: Any) -> tuple[Any, Any]:
     chunks = np.asarray(stages) * np.asarray(repeats)
     padding = -np.asarray(units) % chunks
     return padding < -(-np.asarray(units) // chunks) * np.asarray(repeats), padding
+
+
+def attention_limit(kernel: str, cfg: Config) -> str | None:
+    """The one line saying why `kernel` cannot take `cfg`'s shapes (naming the limit), or None."""
+    m, t = cfg.model, cfg.train.seq_len
+    h = m.d_model // max(m.n_heads, 1)
+    if kernel == "splash" and t % SPLASH_MIN_BLOCK:
+        return (f"model.attention='splash': train.seq_len={t} must be a multiple of {SPLASH_MIN_BLOCK} (the "
+                f"kernel's query and key blocks are multiples of the TPU's {SPLASH_MIN_BLOCK} lanes)")
+    if kernel == "cudnn" and m.dtype != "bfloat16":
+        return (f"model.attention='cudnn': model.dtype={m.dtype!r}, but cuDNN flash attention takes bfloat16 "
+                "inputs only; use model.dtype=bfloat16 or model.attention=xla")
+    if kernel == "cudnn" and (h % CUDNN_HEAD_DIM_MULTIPLE or h > CUDNN_MAX_HEAD_DIM):
+        return (f"model.attention='cudnn': head dim model.d_model / model.n_heads = {h}, but cuDNN flash attention "
+                f"needs a multiple of {CUDNN_HEAD_DIM_MULTIPLE} and at most {CUDNN_MAX_HEAD_DIM}")
+    if kernel in KERNEL_PLATFORM and chunk_length(cfg.parallel.attention_chunk, t) < t:
+        return (f"parallel.attention_chunk={cfg.parallel.attention_chunk} splits XLA's attention into query blocks; "
+                f"model.attention={kernel!r} never holds the [T, T] scores: set parallel.attention_chunk=0")
+    return None
+
+
+def attention_kernel(cfg: Config, platform: str) -> str:
+    """The kernel the model's attention runs on `platform` ('cpu', 'gpu', 'tpu'; 'accelerator':
+    unnamed): model.attention when forced; `auto`: the platform's fused kernel when the config's
+    shapes fit it (attention_limit; an attention_chunk asks for XLA's blocks), else XLA."""
+    asked = cfg.model.attention
+    if asked != "auto":
+        return asked
+    kernel = {"gpu": "cudnn", "tpu": "splash"}.get(platform, "xla")
+    return kernel if kernel == "xla" or attention_limit(kernel, cfg) is None else "xla"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,6 +254,8 @@ RULES: tuple[Rule, ...] = (
          lambda v: choice_error("parallel.grad_reduce_dtype", v.cfg.parallel.grad_reduce_dtype, GRAD_REDUCE_DTYPES)),
     Rule("dispatch", lambda v: np.asarray(v.m.moe.dispatch in MOE_DISPATCH),
          lambda v: choice_error("model.moe.dispatch", v.m.moe.dispatch, MOE_DISPATCH), layout=False),
+    Rule("attention", lambda v: np.asarray(v.m.attention in ATTENTIONS),
+         lambda v: choice_error("model.attention", v.m.attention, ATTENTIONS), layout=False),
     Rule("fp8_recipe", lambda v: np.asarray(v.cfg.fp8.recipe in FP8_RECIPES),
          lambda v: choice_error("fp8.recipe", v.cfg.fp8.recipe, FP8_RECIPES), layout=False),
     # the model's own shapes
@@ -324,6 +366,15 @@ RULES: tuple[Rule, ...] = (
     Rule("sequence", lambda v: (v.sequence == 0) | (v.tensor == 1) | (v.cfg.train.seq_len % v.tensor == 0),
          lambda v: f"parallel.sequence_parallel: train.seq_len={v.cfg.train.seq_len} must be divisible by "
                    f"mesh.tensor={v.tensor} (the residual stream is sharded over tensor on T)"),
+    # a fused attention kernel asked for by name: its platform, then its shapes
+    Rule("attention_platform", lambda v: np.asarray(v.m.attention not in KERNEL_PLATFORM or v.platform == "accelerator"
+                                                    or v.platform == KERNEL_PLATFORM[v.m.attention]),
+         lambda v: f"model.attention={v.m.attention!r}: {KERNEL_NAMES[v.m.attention]} runs on "
+                   f"{KERNEL_PLATFORM[v.m.attention].upper()} only, and this mesh's devices are {v.platform}; use "
+                   "model.attention=auto (the platform's kernel) or xla", layout=False),
+    Rule("attention_shapes", lambda v: np.asarray(v.m.attention not in KERNEL_PLATFORM
+                                                  or attention_limit(v.m.attention, v.cfg) is None),
+         lambda v: attention_limit(v.m.attention, v.cfg), layout=False),
     # what XLA:CPU (jaxlib 0.10.2) cannot do
     Rule("cpu_pipelined_bf16", lambda v: ~(np.asarray(v.cpu and v.m.dtype == "bfloat16") & v.piped),
          lambda v: "model.dtype='bfloat16' with a pipelined layout crashes XLA:CPU; use float32 on CPU"),
@@ -406,6 +457,7 @@ class Parallelism:
     grad_reduce_dtype: str
     units: int  # the scanned stack's length (config.stack_length)
     platform: str  # 'cpu', 'tpu', 'gpu' (or 'accelerator': unnamed, for planning)
+    attention: str = "xla"  # the kernel the attention runs on this platform (attention_kernel)
 
     @classmethod
     def of(cls, cfg: Config, sizes: dict[str, int], platform: str = "accelerator") -> Parallelism:
@@ -413,7 +465,8 @@ class Parallelism:
         check(cfg, sizes, platform)
         p = cfg.parallel
         return cls(sizes["data"], sizes["tensor"], sizes["pipe"], sizes["expert"], p.zero, p.remat, p.microbatches,
-                   p.schedule, p.repeats, p.sequence_parallel, p.grad_reduce_dtype, stack_length(cfg.model), platform)
+                   p.schedule, p.repeats, p.sequence_parallel, p.grad_reduce_dtype, stack_length(cfg.model), platform,
+                   attention_kernel(cfg, platform))
 
     @classmethod
     def of_mesh(cls, cfg: Config, mesh: Any) -> Parallelism:

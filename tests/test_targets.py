@@ -66,6 +66,16 @@ def cuda_plugin():
             pytest.fail("the compile-only GPU target tests need the CUDA plugin and ptxas (Linux x86_64; the test "
                         f"extra installs them: {targets._gpu_install_line()})")
         pytest.skip(f"the CUDA plugin or ptxas is not installed (Linux x86_64 only; {targets._gpu_install_line()})")
+    # The GPU steps run cuDNN flash attention (model.attention auto on a GPU mesh), whose compile
+    # needs the cuDNN library (the test extra installs nvidia-cudnn-cu12): checked the same way.
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+        check_cudnn_version()
+    except Exception as e:  # noqa: BLE001 - "cuDNN is not detected", a loader error
+        if os.environ.get("CI"):
+            pytest.fail(f"the GPU target tests need the cuDNN library (the test extra installs nvidia-cudnn-cu12): {e}")
+        pytest.skip(f"the cuDNN library is not installed (pip install nvidia-cudnn-cu12): {e}")
 
 
 @pytest.fixture(scope="module")

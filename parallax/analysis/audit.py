@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallax.analysis.hlo import Collective, collectives, dot_flops, summarize, while_loops
+from parallax.analysis.hlo import (ATTENTION_KERNEL_NAMES, Collective, attention_kernels, collectives, dot_flops,
+                                   summarize, while_loops)
 from parallax.analysis.gemms import fp8_report
 from parallax.analysis.overlap import overlap_by_family, placement_of, placements
 from parallax.config import Config
@@ -42,6 +43,7 @@ class CompiledStep:
     compile_s: float
     device_kind: str = ""
     target: str | None = None
+    attention: str = "xla"  # the kernel the layout asked for on this platform (parallelism.attention_kernel)
 
 
 def _memory_stats(compiled) -> dict[str, int] | None:
@@ -105,7 +107,8 @@ def compile_step(cfg: Config, compiler_options: dict | None = None, target: str 
     lowered = built.train_step().lower(built.abstract_state(), built.abstract_batch())
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
     step = CompiledStep(compiled.as_text(), _memory_stats(compiled), _cost_stats(compiled), dict(built.mesh.shape),
-                        built.platform, time.perf_counter() - started, built.device_kind, target)
+                        built.platform, time.perf_counter() - started, built.device_kind, target,
+                        built.parallelism.attention)
     _COMPILED[key] = step
     return step
 
@@ -221,9 +224,16 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
     rows = compare_collectives(found, collective_terms(w, g, platform), placed)
     families = family_totals(rows)
     modelled = {k for k, v in families.items() if v["model_bytes"] > 0}
-    parts = {k: float(v) for k, v in memory_parts(w, g, platform, attention="xla").items()}
+    # The attention the compiled program runs (its custom calls), which the cost model then counts:
+    # a fused kernel keeps no [B, N, T, T] scores and skips the causal half.
+    kernels = attention_kernels(step.hlo)
+    attention = "xla" if kernels["kernel"] == "xla" else "fused"
+    parts = {k: float(v) for k, v in memory_parts(w, g, platform, attention=attention).items()}
     n = math.prod(step.mesh_shape.values())
-    hw = {k: float(v) for k, v in hardware_flops_per_device(w, g, attention="xla").items()}
+    hw = {k: float(v) for k, v in hardware_flops_per_device(w, g, attention=attention).items()}
+    # A fused kernel's matmuls are inside its custom calls, where dot_flops cannot see them.
+    hw["attention_kernel"] = 0.0 if attention == "xla" else \
+        hw["total"] - float(hardware_flops_per_device(w, g, attention="none")["total"])
     return {
         "mesh": step.mesh_shape,
         "platform": step.platform,
@@ -249,6 +259,8 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
         "loops": while_loops(step.hlo),
         # the FP8 dot_general's matmuls kept FP8 by the compiler, and why the others are not
         "fp8": fp8_report(step.hlo) if cfg.fp8.enabled else None,
+        "attention": {"kernel": kernels["kernel"], "configured": step.attention, "calls": kernels["calls"],
+                      "name": ATTENTION_KERNEL_NAMES[kernels["kernel"]]},
     }
 
 
@@ -327,8 +339,9 @@ def format_report(a: dict, title: str) -> str:
     cond = f" ({dots['conditional'] / 1e9:,.2f} of it in conditional branches, counted on every trip)" if dots["conditional"] else ""
     lines.append(f"FLOPs per step: model {f['model_per_step'] / 1e9:,.2f} G (6N + causal attention), "
                  f"{f['model_per_device'] / 1e9:,.2f} G per device; executed per device: cost model "
-                 f"{f['executed_model']['total'] / 1e9:,.2f} G (recomputation, bubble ticks, embedding, full [T, T] "
-                 f"scores), compiled matmuls {dots['total'] / 1e9:,.2f} G{cond}; XLA cost_analysis "
+                 f"{f['executed_model']['total'] / 1e9:,.2f} G (recomputation, bubble ticks, embedding, "
+                 f"{'full [T, T] scores' if not f['executed_model'].get('attention_kernel') else 'the kernel: causal half'}"
+                 f"), compiled matmuls {dots['total'] / 1e9:,.2f} G{cond}; XLA cost_analysis "
                  + (f"{xla['flops'] / 1e9:,.2f} G (counts each loop body once)" if "flops" in xla else "gives none"))
     if dots.get("convolution"):
         lines.append(f"  compiled matmuls include {dots['convolution'] / 1e9:,.2f} G from convolutions (the compiler's "
@@ -350,6 +363,14 @@ def format_report(a: dict, title: str) -> str:
                      f"({', '.join(str(lp['trip_count']) for lp in derived) or '-'} trips)"
                      + (f", {len(unknown)} UNKNOWN (their collectives and FLOPs counted once per entry)"
                         if unknown else ""))
+    att = a.get("attention")
+    if att:
+        calls = ", ".join(f"{k} x{v}" for k, v in sorted(att["calls"].items()))
+        lines.append(f"attention: {att['name']}" + (f": {calls}" if calls else "")
+                     + (f" (the layout asked for {att['configured']})" if att["configured"] != att["kernel"] else ""))
+        if att["kernel"] != "xla":
+            lines.append(f"  the kernel's matmuls ({f['executed_model']['attention_kernel'] / 1e9:,.2f} G per device "
+                         "in the cost model) run inside its custom calls: not in the compiled matmuls above")
     bad = [r for r in a["collectives"] if not r["explained"]]
     lines.append(f"{len(bad)} collective group(s) the cost model does not explain" if bad else
                  "every collective is explained by the cost model")

@@ -387,7 +387,7 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     The optimizer: Muon's Newton-Schulz iterations (optimizer_flops_per_device).
     """
     s = Dims(w, g)
-    attn = 4 if attention == "xla" else 2
+    attn = {"xla": 4, "none": 0}.get(attention, 2)  # "none": without the scores (audit: a kernel's share)
     wo = 2 * s.F * s.D  # the last matmul: its output is dead in a recomputation (XLA drops it)
     block = 2 * s.D * s.H * (2 * s.N + 2 * s.K) + attn * s.N * s.H * s.T  # per token: projections, scores
     dense = 4 * s.D * s.F + wo

@@ -467,6 +467,32 @@ def dot_flops(hlo: str) -> dict[str, float]:
             "uncounted_convolutions": uncounted}
 
 
+_CUDNN_FMHA = re.compile(r'custom_call_target="(__cudnn\$fmha\w*)"')
+_CUSTOM_NAME = re.compile(r"^\s*(?:ROOT )?%([A-Za-z_][\w\-]*?)(?:\.\d+)* = ")
+ATTENTION_KERNEL_NAMES = {"cudnn": "cuDNN flash attention (__cudnn$fmha* custom calls)",
+                          "splash": "Pallas splash attention (tpu_custom_call splash_mha_*)",
+                          "xla": "XLA's attention (dot_product_attention's XLA path: [B, N, T, T] scores)"}
+
+
+def attention_kernels(hlo: str) -> dict:
+    """The attention kernel a compiled program runs, read from its custom calls: 'cudnn' (XLA:GPU's
+    `__cudnn$fmha*` calls, forward and backward), 'splash' (the TPU's `tpu_custom_call`s named
+    after the Pallas kernel, splash_mha_fwd*, _dq*, _dkv*), else 'xla' (the scores are plain
+    dots). `calls`: each call target or kernel name and how often it appears in the program."""
+    calls: dict[str, int] = {}
+    for line in hlo.splitlines():
+        if "custom-call(" not in line:
+            continue
+        m = _CUDNN_FMHA.search(line)
+        if m:
+            calls[m.group(1)] = calls.get(m.group(1), 0) + 1
+        elif 'custom_call_target="tpu_custom_call"' in line and (n := _CUSTOM_NAME.match(line)) \
+                and n.group(1).startswith("splash"):
+            calls[n.group(1)] = calls.get(n.group(1), 0) + 1
+    kernel = "cudnn" if any(k.startswith("__cudnn") for k in calls) else "splash" if calls else "xla"
+    return {"kernel": kernel, "calls": calls}
+
+
 def summarize(found: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict[str, int]]:
     """{(kind, axes): {'ops': static count, 'executions': per step, 'bytes': per step}}."""
     out: dict[tuple[str, tuple[str, ...]], dict[str, int]] = {}

@@ -1,7 +1,7 @@
 """`parallax plan`: which layout should this model use on these devices?
 
     parallax plan (EXPERIMENT.py | --preset NAME) [--set key=value ...] (--devices N --device TYPE | --target NAME)
-                  [--devices-per-host K] [--attention xla|fused] [--noise-scale B | --noise-scale-from DIR]
+                  [--devices-per-host K] [--attention auto|xla|fused] [--noise-scale B | --noise-scale-from DIR]
                   [--top K] [--json]
 
 Searches every (data, tensor, pipe, expert) with product N that the model's shapes divide (pipe
@@ -449,8 +449,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="a named slice or GPU count giving both: v5e-8, v6e-256, v5p-32 (TensorCores: 16 chips), "
                         "v4-128, 2xv5p-128, h100-64")
     p.add_argument("--devices-per-host", type=int, help="fast-domain size (default: the device type's)")
-    p.add_argument("--attention", choices=("xla", "fused"), default="xla",
-                   help="xla: parallax's attention today (materialised scores); fused: a flash-style kernel")
+    p.add_argument("--attention", choices=("auto", "xla", "fused"), default="auto",
+                   help="auto: the attention the config's model.attention compiles to on the device type's platform "
+                        "(cuDNN on GPU, splash on TPU where the shapes allow: fused; else XLA's); xla: materialised "
+                        "scores; fused: a flash-style kernel")
     p.add_argument("--noise-scale", type=float, help="gradient noise scale B_simple (sequences): cap the batch near it")
     p.add_argument("--noise-scale-from", metavar="WORKDIR", help="the last noise_scale in WORKDIR/metrics.jsonl")
     p.add_argument("--top", type=int, default=5, help="layouts to show")
@@ -495,6 +497,14 @@ def plan_command(args: argparse.Namespace) -> int:
         raise UserError(f"--devices-per-host: must be positive, got {per_host}")
     w, cfg, note = _workload(args)
     notes = [note] if note else []
+    if args.attention == "auto":  # what the program will run on this device type (parallelism.attention_kernel)
+        from parallax.parallelism import attention_kernel
+
+        platform = "tpu" if dev.name.startswith("TPU") else "gpu"
+        kernel = attention_kernel(cfg, platform)
+        args.attention = "xla" if kernel == "xla" else "fused"
+        notes.append(f"attention: {kernel} (model.attention={cfg.model.attention!r} on {dev.name}), planned as "
+                     f"{'XLA with materialised scores' if kernel == 'xla' else 'a fused kernel (no [B, N, T, T])'}")
     if args.noise_scale is not None and args.noise_scale_from is not None:
         raise UserError("plan: give --noise-scale or --noise-scale-from, not both")
     noise_scale = noise_scale_from(args.noise_scale_from) if args.noise_scale_from is not None else args.noise_scale

@@ -89,6 +89,9 @@ class Attention(nn.Module):
     placer: ParamPlacer | None = None  # ZeRO-3 (logical.ParamPlacer)
     chunk: int = 0  # query positions per attention block (parallel.attention_chunk); 0: all T
     decode: bool = False  # read and extend the KV cache (module docstring); the cache's S is its init T
+    # A fused kernel (parallel/fused_attention.py, injected): attend(q, k, v, segment_ids) -> out,
+    # the contract of causal_attention; None: XLA's attention (causal_attention, with `chunk`).
+    attend: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
@@ -121,6 +124,8 @@ class Attention(nn.Module):
         # Grouped-query attention: query head i reads kv head i // (N / K). Softmax in float32.
         if self.decode:
             out = self._attend_cached(q, key, value, index, kv_names)
+        elif self.attend is not None:  # a fused kernel: no [B, N, T, T] scores kept
+            out = self.attend(q, key, value, segment_ids)  # [B, T, N, H]
         else:
             out = causal_attention(q, key, value, self.chunk, segment_ids)  # [B, T, N, H]
         out = constrain(out, heads_names)

@@ -86,6 +86,7 @@ class Block(nn.Module):
     exchange: Exchange = LOCAL  # the MoE layer's expert exchange (expert_parallel.py injects its own)
     attention_chunk: int = 0  # query positions per attention block (attention.causal_attention)
     decode: bool = False  # attention reads and extends its KV cache (attention.py; infer/decode.py)
+    attend: Any = None  # a fused attention kernel (parallel/fused_attention.py); None: XLA's
 
     @nn.compact
     def __call__(self, x: jax.Array, docs: Docs = None) -> tuple[jax.Array, Stats]:
@@ -95,7 +96,7 @@ class Block(nn.Module):
         h = constrain(RMSNorm(c.norm_eps, dtype, self.placer, name="attn_norm")(x), NORMED)
         x = x + Attention(
             c.n_heads, c.n_kv_heads, c.d_model // c.n_heads, c.rope_theta, c.init_std, out_std, dtype,
-            self.dot_general, self.grad_dtype, self.placer, self.attention_chunk, self.decode, name="attn",
+            self.dot_general, self.grad_dtype, self.placer, self.attention_chunk, self.decode, self.attend, name="attn",
         )(h, *(docs or ()))
         x = constrain(x, RESIDUAL)
         h = constrain(RMSNorm(c.norm_eps, dtype, self.placer, name="mlp_norm")(x), NORMED)  # MoE routes whole sequences
@@ -122,11 +123,12 @@ class BlockGroup(nn.Module):
     exchange: Exchange = LOCAL
     attention_chunk: int = 0
     decode: bool = False
+    attend: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, docs: Docs = None) -> tuple[jax.Array, Stats]:
         kw = dict(grad_dtype=self.grad_dtype, placer=self.placer, exchange=self.exchange,
-                  attention_chunk=self.attention_chunk, decode=self.decode)
+                  attention_chunk=self.attention_chunk, decode=self.decode, attend=self.attend)
         for i in range(self.cfg.moe.every - 1):
             x, _ = Block(self.cfg, self.dot_general, moe=False, **kw, name=f"dense_{i}")(x, docs)
         return Block(self.cfg, self.dot_general, moe=True, **kw, name="moe_block")(x, docs)
@@ -161,6 +163,9 @@ class Transformer(nn.Module):
     # (attention.py), stacked over layers like the parameters; the model is then called on the
     # prompt once and on one new token at a time. Training never sets it: no cache exists then.
     decode: bool = False
+    # The attention kernel (parallel/fused_attention.make_attend, injected by make_layout for the
+    # mesh's platform: cuDNN on GPU, splash on TPU); None: XLA's attention (CPU, model.attention=xla).
+    attend: Any = None
 
     def setup(self) -> None:
         c = self.cfg
@@ -180,7 +185,7 @@ class Transformer(nn.Module):
             length=stack_length(c),
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(c, self.dot_general, grad_dtype=self.grad_dtype, placer=self.placer, exchange=self.exchange,
-          attention_chunk=self.attention_chunk, decode=self.decode)
+          attention_chunk=self.attention_chunk, decode=self.decode, attend=self.attend)
         self.final_norm = RMSNorm(c.norm_eps, dtype, self.placer)
         if not c.tie_embeddings:
             self.logits = Head(c.vocab_size, c.init_std, dtype, self.logits_dot_general, self.grad_dtype, self.placer)

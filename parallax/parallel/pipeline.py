@@ -118,7 +118,7 @@ def stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
     dot_general = with_batch_amaxes(model.dot_general)
     # ZeRO-3's placer and the expert exchange as injected into the model (train_state.make_layout)
     block = stack_unit(model.cfg)(model.cfg, dot_general, placer=model.placer, exchange=model.exchange,
-                                  attention_chunk=model.attention_chunk)
+                                  attention_chunk=model.attention_chunk, attend=model.attend)
 
     def unit(params: Any, fp8: Any, real: Any, docs: Any, x: jax.Array) -> tuple[jax.Array, dict]:
         y, stats = block.apply({"params": params, **({FP8_COLLECTION: fp8} if fp8 is not None else {})}, x, docs)

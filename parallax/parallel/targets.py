@@ -21,7 +21,9 @@ The device descriptions are XLA's own (gpu_specs/*.txtpb, from openxla/xla's
 xla/backends/gpu/target_config/specs). The compile needs jax-cuda12-plugin (with jax-cuda12-pjrt)
 and ptxas with libdevice (nvidia-cuda-nvcc-cu12, or a CUDA toolkit); nvidia-cuda-runtime-cu12
 keeps the plugin from logging "Could not find cuda drivers" when JAX starts with no GPU. No other
-CUDA wheel is needed (no cuBLAS, cuDNN, NCCL: nothing runs).
+CUDA wheel is needed (no cuBLAS, NCCL: nothing runs), but for cuDNN flash attention
+(model.attention, the default on a GPU mesh): jax asks the cuDNN library (nvidia-cudnn-cu12) for
+its version while tracing, so that compile needs it (build refuses it in one line without).
 """
 
 from __future__ import annotations

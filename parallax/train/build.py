@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from parallax.config import Config
+from parallax.parallel.fused_attention import require_kernel
 from parallax.parallel.mesh import AXES, DATA, EXPERT, PIPE, TENSOR, describe, make_mesh
 from parallax.model.transformer import Transformer
 from parallax.parallelism import Parallelism, Schedule
@@ -116,4 +117,5 @@ def build(cfg: Config, devices: list[jax.Device] | None = None, model: Transform
     out the same way."""
     mesh = make_mesh(cfg.mesh, devices)
     par = Parallelism.of_mesh(cfg, mesh)
+    require_kernel(par.attention)  # cuDNN's library, before anything is traced
     return Build(cfg, mesh, par, make_layout(cfg, mesh, par, model=model))

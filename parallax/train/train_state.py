@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import Config, ConfigError
 from parallax.parallel.expert_parallel import EXPERT_EXCHANGE
+from parallax.parallel.fused_attention import make_attend
 from parallax.model.fp8 import FP8_COLLECTION, transformer_dot_generals
 from parallax.model.transformer import Transformer
 from parallax.train.optim import make_optimizer, muon_shardings
@@ -93,12 +94,14 @@ def _init_params(model: Transformer, cfg: Config, rng: jax.Array, schedule: Sche
     return params
 
 
-def make_model(cfg: Config, cls: type[Transformer] = Transformer) -> Transformer:
+def make_model(cfg: Config, cls: type[Transformer] = Transformer, attention: str = "xla") -> Transformer:
     """The model `cfg` describes, with its parallelism injected: FP8 dots, ZeRO-3's placer, the
-    expert exchange. `cls`: a Transformer subclass (a benchmark's variant) made the same way."""
+    expert exchange, the attention kernel (`attention`: the resolved kernel,
+    parallelism.attention_kernel; make_layout passes the mesh platform's). `cls`: a Transformer
+    subclass (a benchmark's variant) made the same way."""
     return cls(cfg.model, remat=cfg.parallel.remat, grad_dtype=cfg.parallel.grad_reduce_dtype,
                placer=param_placer(cfg.parallel), exchange=EXPERT_EXCHANGE, loss_chunk=cfg.parallel.loss_chunk,
-               attention_chunk=cfg.parallel.attention_chunk,
+               attention_chunk=cfg.parallel.attention_chunk, attend=make_attend(attention),
                **transformer_dot_generals(cfg.fp8))
 
 
@@ -106,7 +109,6 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
                 model: Transformer | None = None) -> Layout:
     """The layout of `cfg` on `mesh`. `par`: the layout's checked rules (parallelism.py); None
     checks them here. Either way nothing unchecked is laid out. `model`: default make_model(cfg)."""
-    model = model or make_model(cfg)
     rules = compute_rules(cfg.parallel)
     # Laid out only once checked: every rule of parallelism.py for this mesh and platform.
     if par is None:
@@ -114,6 +116,7 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
     elif not par.matches(cfg, dict(mesh.shape)):
         raise ConfigError(f"make_layout: the Parallelism given was checked for {par.sizes} and other parallel "
                           f"settings, not for this config on mesh {dict(mesh.shape)}")
+    model = model or make_model(cfg, attention=par.attention)  # the kernel of the mesh's platform
     schedule = par.schedule
     logical_specs = nn.get_partition_spec(jax.eval_shape(lambda r: _init_boxed(model, cfg, r), jax.random.key(0)))
     param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
