@@ -227,3 +227,6 @@ def test_tpu7x_keeps_the_fp8_matmuls_fp8(libtpu):  # noqa: F811
     assert (e["fp8_gemms_forward"], e["fp8_gemms_backward"]) == (4 * layers, 8 * layers), e
     assert e["fp8_gemms"] == e["fp8_dot_general"]
     assert set(e["operand_types"]) <= {"f8e4m3fn x f8e4m3fn", "f8e5m2 x f8e4m3fn", "f8e4m3fn x f8e5m2"}
+    # T = 64 is no multiple of splash's 128-block: auto runs XLA attention here, whose matmuls are named
+    assert set(e["not_fp8"]) == {"attention scores and values (the attention kernel has no FP8 dot_general)",
+                                 "output head (FP8 only with fp8.logits)"}, e

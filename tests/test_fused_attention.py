@@ -228,8 +228,8 @@ def test_h100_8_step_runs_cudnn_forward_and_backward(cuda_plugin, cfg, calls):
     assert found["kernel"] == found["configured"] == "cudnn", found
     names = set(found["calls"])
     assert len(names) == 2 and any(n.endswith("Backward") for n in names), found
-    if calls is not None:
-        assert found["calls"] == calls
+    if calls is not None:  # (XLA:GPU's pipelined collectives may copy the loop body: counts >= 1)
+        assert set(found["calls"]) == set(calls) and all(found["calls"][k] >= n for k, n in calls.items()), found
     assert _per_head_tt(compile_step(cfg, FAST_COMPILE, "h100-8").hlo) == set()
     # the kernel's matmuls are inside its calls: the compiled dots are the rest of the model's
     hw = a["flops"]["executed_model"]
@@ -282,6 +282,9 @@ def test_cudnn_without_its_library_names_the_install(cuda_plugin, capsys, experi
         raise RuntimeError("cuDNN is not detected.")
 
     monkeypatch.setattr(fa, "check_cudnn_version", missing)
+    # a fresh compile: another test may have compiled this config already (audit.compile_step's cache)
+    import parallax.analysis.audit as audit_module
+    monkeypatch.setattr(audit_module, "_COMPILED", {})
     _refused(capsys, ["audit", experiment, "--target", "h100-8"], "model.attention", "cuDNN", "nvidia-cudnn-cu12",
              "model.attention=xla")
 
