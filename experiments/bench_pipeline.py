@@ -396,7 +396,7 @@ def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str, tables: 
     names = {"gpipe": "GPipe", "circular_r2": "circular (r=2)", "1f1b": "1F1B", "gpipe_remat_full": "GPipe, remat full",
              "circular_r2_remat_full": "circular (r=2), remat full", "interleaved_r2": "interleaved 1F1B (v=2)",
              "zb_h1": "ZB-H1"}
-    fig, (ax, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [1.4, 1]})
+    fig, (ax, ax_mem) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.5, 1]})
     grid = np.linspace(min(ms), max(ms), 200)
     handles = []
     for label, res in bubble.items():
@@ -424,7 +424,7 @@ def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str, tables: 
     for label, formula, text in (("interleaved_r2", lambda m: (PIPE - 1) / (2 * m + PIPE - 1), "(p-1)/(2m+p-1)"),
                                  ("zb_h1", lambda m: (PIPE - 1) / (3 * m + PIPE - 1), "(p-1)/(3m+p-1), F=B=W")):
         (line,) = ax.plot(grid, formula(grid), ":", color=colors[label], lw=1.5,
-                          label=f"{names[label]}  (formula {text}; squares: table, not timed)")
+                          label=f"{names[label]}  ({text}; squares: table)")
         handles.append(line)
         pts = [(m, tables[f"{label}_m{m}"]["table"]) for m in ms if tables and f"{label}_m{m}" in tables]
         ax.plot([m for m, _ in pts], [b for _, b in pts], "s", color=colors[label], ms=6, mfc="none")
@@ -441,8 +441,8 @@ def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str, tables: 
     ax.set_title(f"Pipeline bubble vs m, p={PIPE} stages (data={DATA} x pipe={PIPE})", fontsize=11)
     ax.grid(alpha=0.3)
     lo, hi = ax.get_ylim()
-    ax.set_ylim(lo, hi + 0.45 * (hi - lo))  # headroom for the legend above the data
-    ax.legend(handles=handles, fontsize=7.5, loc="upper right", ncol=2)
+    ax.set_ylim(lo, hi + 0.6 * (hi - lo))  # headroom for the legend above the data
+    ax.legend(handles=handles, fontsize=6.5, loc="upper right", ncol=2)
     mem_ms = sorted(set(ms) | {MEMORY_M})
     ax_mem.set_xscale("log", base=2)
     ax_mem.set_xticks(mem_ms, [str(m) for m in mem_ms])

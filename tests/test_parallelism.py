@@ -69,6 +69,9 @@ def test_planner_candidates_are_exactly_the_legal_layouts_it_enumerates():
         parallelism.check(cfg, sizes)  # every candidate is a layout a config may ask for
     # MoE runs in every schedule, 1F1B included (pipeline_1f1b.py)
     assert np.any((g.schedule == parallelism.ONE_F_ONE_B) & (g.pipe > 1))
+    # ... and the other table schedules: interleaved chunks, the split backward
+    assert np.any((g.schedule == parallelism.INTERLEAVED) & (g.repeats > 1))
+    assert np.any(g.schedule == parallelism.ZB_H1)
 
 
 def test_lifting_a_limit_is_one_edit(monkeypatch):

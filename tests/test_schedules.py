@@ -5,7 +5,10 @@ included), ticks and bubble against the formulas, and the activation-memory boun
 
 import pytest
 
-from parallax.schedules import SCHEDULES, Schedule, bubble, buffer_slots, make_table, ticks
+import numpy as np
+
+from parallax.schedules import (COMPILED_COSTS, SCHEDULES, Schedule, bubble, buffer_slots, lockstep_bubble,
+                              make_table, ticks)
 
 # every layout the tests below walk: p stages, m microbatches, v chunks
 LAYOUTS = [(name, p, m, v) for p in range(1, 9) for m in range(p, 4 * p + 1)
@@ -121,3 +124,24 @@ def test_zb_h1_table_is_the_papers_shape():
     sched = Schedule(4, 8, 1, "zb_h1")
     # the same table under compiled-like costs (B and W each recompute the forward): lockstep hurts
     assert sched.bubble_fraction_at({"F": 1, "B": 2, "W": 3}) > sched.bubble_fraction
+
+
+def test_lockstep_bubble_reads_each_layouts_table():
+    """The planner's vectorised bubble: each table schedule's own table under the compiled op
+    costs (1F1B and interleaved: the formula, any F:B ratio; ZB-H1: more than the paper's);
+    GPipe/circular and unpipelined layouts: the formula."""
+    sched = np.array([SCHEDULES.index(n) for n in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h1")])
+    p, m, r = np.array([4, 4, 4, 4, 1]), np.array([8, 8, 8, 8, 1]), np.array([1, 1, 2, 1, 1])
+    got = lockstep_bubble(sched, p, m, r)
+    want = [bubble(0, 4, 8, 1), bubble(2, 4, 8, 1), bubble(3, 4, 8, 2),
+            Schedule(4, 8, 1, "zb_h1").bubble_fraction_at(COMPILED_COSTS["zb_h1"]), 0.0]
+    np.testing.assert_allclose(got, want)
+    assert got[3] > bubble(4, 4, 8, 1)
+    # 1F1B and interleaved in lockstep: the formula under any F:B cost (what lockstep_bubble returns)
+    for name, p_, m_, v in [("1f1b", 4, 8, 1), ("1f1b", 3, 5, 1), ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 2, 6, 3)]:
+        sch = Schedule(p_, m_, v, name)
+        for costs in (COMPILED_COSTS[name], {"F": 1, "B": 5, "W": 0}):
+            assert sch.bubble_fraction_at(costs) == pytest.approx(sch.formula())
+    # beyond EXACT_OPS: an upper bound of the table's lockstep bubble
+    assert lockstep_bubble(4, 64, 128, 1) >= Schedule(64, 128, 1, "zb_h1").bubble_fraction_at(COMPILED_COSTS["zb_h1"])
+    assert np.shape(lockstep_bubble(4, 4, 8, 1)) == ()

@@ -239,9 +239,11 @@ def expert_terms(s: Dims) -> list[Term]:
 def pipe_terms(s: Dims) -> list[Term]:
     """Over `pipe`. GPipe/circular (pipeline.run_pipeline's `tick`): one ppermute round the ring
     per half-microbatch (Dims.halves) each tick, and the same in the transpose; one psum of the
-    stack outputs (only the last stage wrote them) and its transpose. 1F1B
-    (pipeline_1f1b.make_scheduled_value_and_grad): one ppermute of activations and one of cotangents
-    per tick; psums of the input cotangents `dx_all` and of the head gradients `g_outer`.
+    stack outputs (only the last stage wrote them) and its transpose. The table schedules (1F1B,
+    interleaved 1F1B, ZB-H1: pipeline_1f1b.make_scheduled_value_and_grad): one ppermute of
+    activations and one of cotangents per tick of their table (ZB-H1: 3M + P - 1 unit ticks, both
+    sends every tick, one of them zeros where the stage ran no F or no B); psums of the input
+    cotangents `dx_all` and of the head gradients `g_outer`.
     Sequence parallelism: what is sent or summed of the residual stream is T/t of it.
 
     Overlap: GPipe's first half-microbatch's send runs behind the second half's compute, and

@@ -308,7 +308,8 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     tok_m = s.tok / s.M
     vocab_t = s.V / t
     # Saved activations. Plain: every layer once. GPipe/circular: every tick's chunk residuals
-    # until the backward loop. 1F1B: 2P stage inputs in the ring buffer, the input cotangents
+    # until the backward loop. Table schedules: the tick loop's buffers (schedules.buffer_slots:
+    # 1F1B about 2P stage inputs, interleaved vP + P chunk inputs, ZB-H1 2P + 1), the input cotangents
     # [M, B/M, T, D], one stage's residuals (Lc layers) while its vjp runs, and the gradient
     # accumulators carried through the tick loop.
     plain_saved = s.L * (s.tok * saved_tok + saved_layer)
