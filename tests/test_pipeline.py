@@ -150,7 +150,8 @@ def test_each_stage_holds_only_its_layers(reference):
 # The compiled step: one collective-permute per tick each way, the weight gradient reduced once
 
 
-@pytest.fixture(scope="module", params=["gpipe", "1f1b"])
+# (ZB-H1: its 3M + P - 1 unit ticks each send both ways; interleaved runs 1F1B's tick)
+@pytest.fixture(scope="module", params=["gpipe", "1f1b", "zb_h1"])
 def pipeline_hlo(request):
     parallel = ParallelConfig(microbatches=4, schedule=request.param)
     cfg = dataclasses.replace(BASE, mesh=MeshConfig(data=2, tensor=2, pipe=2), parallel=parallel)
@@ -169,7 +170,7 @@ def test_one_permute_per_tick_each_way(pipeline_hlo):
     assert all(c.axes == ("pipe",) and c.executions == sched.ticks for c in permutes), permutes
     if sched.name == "gpipe":  # two half-microbatch sends per tick, forward loop and its transpose
         assert len(permutes) == 4 and all(c.bytes == micro_bytes // 2 for c in permutes), permutes
-    else:  # 1F1B: activations forward and cotangents backward, both in its one loop
+    else:  # table schedules: activations forward and cotangents backward, both in the one loop, every tick
         assert len(permutes) == 2 and all(c.bytes == micro_bytes for c in permutes), permutes
 
 
