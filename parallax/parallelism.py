@@ -13,8 +13,10 @@ evaluates the same rules over every candidate layout at once.
   sequence parallelism, and what follows (batch shards, whether the stack is pipelined, the
   pipeline `Schedule` with its work table, ticks and bubble). `train_state.make_layout` lays out
   only a `Parallelism`, so an unchecked config cannot be laid out.
-- `pipelined`, `ticks` and `bubble` are the vectorised formulas that the cost model and the
-  planner read; `Schedule` computes its own from its table and the tests hold the two equal.
+- `pipelined`, `ticks`, `bubble`, `buffer_slots` and `lockstep_bubble` are the vectorised
+  formulas that the cost model and the planner read; `Schedule` computes its own from its table
+  and the tests hold the two equal. They live in schedules.py (the one owner of schedule facts,
+  the tables of 1F1B, interleaved 1F1B and ZB-H1 included) and are re-exported here.
 
 Lifting a limit is one edit here: e.g. repeats with 1F1B is the rule "repeats" below (and, for
 what the program does, the pipeline schedule itself).
