@@ -1,4 +1,5 @@
-"""Benchmark: pipeline memory (1F1B against GPipe) and the pipeline bubble against microbatch count.
+"""Benchmark: pipeline memory (1F1B, interleaved 1F1B, ZB-H1 against GPipe), the schedule tables'
+bubble against the formulas, the compiled cost of a split backward, and the bubble against m.
 
     python experiments/bench_pipeline.py                  # full run, ~5-8 minutes on a 2-core CPU
     python experiments/bench_pipeline.py --tiny           # ~1 minute; what tests/test_bench_pipeline.py runs
@@ -23,8 +24,16 @@ batch is m * 2 * rows.
     `compiled.memory_analysis()` read: temp (scratch: activations saved for the backward, loop
     buffers, ...), argument, output and alias bytes. These are for the per-device SPMD program,
     i.e. per device. Compiled: gpipe (remat none), gpipe (remat full), circular (repeats 2, remat
-    none), 1f1b (remat none). Reported: temp 1f1b / gpipe (the target) and temp 1f1b / gpipe with
-    full remat (the fairer rival: 1F1B recomputes each stage's forward in its backward too).
+    none), 1f1b, interleaved_1f1b (v = 2) and zb_h1 (remat none). Reported: temp 1f1b, interleaved
+    and zb_h1 over gpipe (target <= 0.5 each), zb_h1 over 1f1b (target <= 1.1), and temp 1f1b /
+    gpipe with full remat (the fairer rival: 1F1B recomputes each stage's forward in its backward).
+
+[3] Tables (no compile): ticks and bubble of every schedule's table at p = 4, m in the timed ms and
+    8p, against the formula; the table schedules also with their ticks in lockstep under the op
+    costs measured in [4] (ZB-H1's table assumes F:B:W = 1:1:1, its compiled ops are not).
+
+[4] Op costs: XLA cost_analysis flops of one stage chunk's F, 1F1B's B, ZB-H1's B and W (jitted on
+    one device, compiled, not run); ZB-H1's work per microbatch over 1F1B's.
     Memory figures do not depend on machine load.
 
 [2] Bubble against m. For gpipe, circular (repeats 2) and 1f1b at p = 4 and a fixed microbatch
@@ -92,6 +101,7 @@ from parallax.train.build import build  # noqa: E402
 from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from parallax.parallel.mesh import describe, make_mesh  # noqa: E402
 from parallax.model.transformer import count_params  # noqa: E402
+from parallax.parallel.pipeline import stage_fn  # noqa: E402
 from parallax.parallelism import Schedule  # noqa: E402
 from parallax.train.train_state import init_state  # noqa: E402
 from parallax.train.train_step import batch_sharding  # noqa: E402
@@ -116,7 +126,14 @@ MEMORY_CASES = (
     Case("circular_r2", "circular", repeats=2),
     Case("circular_r2_remat_full", "circular", remat="full", repeats=2),
     Case("1f1b", "1f1b"),
+    Case("interleaved_r2", "interleaved_1f1b", repeats=2),
+    Case("zb_h1", "zb_h1"),
 )
+# the table schedules against GPipe (target <= 0.5), and ZB-H1 against 1F1B (target <= 1.1)
+MEMORY_RATIOS = (("1f1b", "gpipe", MEMORY_TARGET), ("interleaved_r2", "gpipe", MEMORY_TARGET),
+                 ("zb_h1", "gpipe", MEMORY_TARGET), ("zb_h1", "1f1b", 1.1))
+TABLE_CASES = (Case("gpipe", "gpipe"), Case("circular_r2", "circular", repeats=2), Case("1f1b", "1f1b"),
+               Case("interleaved_r2", "interleaved_1f1b", repeats=2), Case("zb_h1", "zb_h1"))
 BUBBLE_CASES = (Case("gpipe", "gpipe"), Case("circular_r2", "circular", repeats=2), Case("1f1b", "1f1b"))
 
 
@@ -306,10 +323,67 @@ def bench_bubble(tiny: bool, rows: int, ms: list[int], mesh, warmup: int, rounds
 
 
 # ----------------------------------------------------------------------------------------------
+# [3] the tables against the formulas; [4] the compiled cost of each op
+
+
+def bench_tables(ms: list[int], costs: dict[str, float] | None) -> dict:
+    """Ticks and bubble of every schedule at p = PIPE from its table, against the formula; the
+    table schedules also with their ticks in lockstep under the compiled op costs `costs`
+    (section [4]), where they differ from the tick model's."""
+    out = {}
+    for case in TABLE_CASES:
+        for m in ms:
+            sched = Schedule(PIPE, m, case.repeats, case.schedule)
+            row = {"ticks": sched.ticks, "table": sched.bubble_fraction, "formula": sched.formula()}
+            if sched.own_gradients and costs is not None:
+                split = {"F": costs["F"], "B": costs["B_split" if case.schedule == "zb_h1" else "B"],
+                         "W": costs["W"] if case.schedule == "zb_h1" else 0}
+                row["lockstep_compiled_costs"] = sched.bubble_fraction_at(split)
+            out[f"{case.label}_m{m}"] = row
+    return out
+
+
+def bench_op_costs(tiny: bool) -> dict:
+    """XLA's flop count (cost_analysis, one device) of the ops a stage chunk runs per microbatch at
+    m = 8p: F (the forward), 1F1B's B (recompute + input and weight gradients), ZB-H1's B
+    (recompute + input gradient) and W (recompute + the weight gradients, which need the
+    input-gradient chain again). Compiled, not run."""
+    cfg = make_config(tiny, Case("zb_h1", "zb_h1"), MEMORY_M, 1)
+    built = build(cfg)
+    layout = built.layout
+    stage = stage_fn(layout.model)
+    params = layout.abstract_state.params["layers"]
+    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), params)  # one stage: [Lc, ...]
+    x = jax.ShapeDtypeStruct((1, cfg.train.seq_len, cfg.model.d_model), np.float32)  # [b, T, D], one row
+
+    def fwd(w, h):
+        return stage(w, h)[0]
+
+    def vjp_all(w, h):
+        y, back = jax.vjp(fwd, w, h)
+        return back(y)
+
+    def vjp_input(w, h):
+        y, back = jax.vjp(lambda hh: fwd(w, hh), h)
+        return back(y)
+
+    def vjp_weights(w, h):
+        y, back = jax.vjp(lambda ww: fwd(ww, h), w)
+        return back(y)
+
+    flops = {}
+    for name, fn in (("F", fwd), ("B", vjp_all), ("B_split", vjp_input), ("W", vjp_weights)):
+        cost = jax.jit(fn).lower(chunk, x).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        flops[name] = float(cost.get("flops", 0.0)) if cost else 0.0
+    return flops
+
+
+# ----------------------------------------------------------------------------------------------
 # Plot
 
 
-def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str) -> None:
+def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str, tables: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -317,11 +391,12 @@ def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str) -> None:
     from matplotlib.lines import Line2D
 
     colors = {"gpipe": "tab:blue", "circular_r2": "tab:green", "1f1b": "tab:red", "gpipe_remat_full": "tab:purple",
-              "circular_r2_remat_full": "tab:olive"}
+              "circular_r2_remat_full": "tab:olive", "interleaved_r2": "tab:orange", "zb_h1": "tab:brown"}
     styles = {"gpipe": "-", "circular_r2": "-.", "1f1b": "--"}
     names = {"gpipe": "GPipe", "circular_r2": "circular (r=2)", "1f1b": "1F1B", "gpipe_remat_full": "GPipe, remat full",
-             "circular_r2_remat_full": "circular (r=2), remat full"}
-    fig, (ax, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [1.4, 1]})
+             "circular_r2_remat_full": "circular (r=2), remat full", "interleaved_r2": "interleaved 1F1B (v=2)",
+             "zb_h1": "ZB-H1"}
+    fig, (ax, ax_mem) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.5, 1]})
     grid = np.linspace(min(ms), max(ms), 200)
     handles = []
     for label, res in bubble.items():
@@ -339,11 +414,20 @@ def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str) -> None:
         if all(t is not None for _, t in mem_pts):
             ax_mem.plot([m for m, _ in mem_pts], [t / MIB for _, t in mem_pts], "o" + styles.get(label, "-"),
                         color=color, label=names.get(label, label))
-    for label, marker in (("gpipe_remat_full", "s"), ("circular_r2_remat_full", "D")):
+    for label, marker in (("gpipe_remat_full", "s"), ("circular_r2_remat_full", "D"), ("interleaved_r2", "^"),
+                          ("zb_h1", "v")):
         full = mem.get(label, {}).get("memory")
         if full is not None:
             ax_mem.plot([MEMORY_M], [full["temp_bytes"] / MIB], marker, color=colors[label], ms=7,
                         label=f"{names[label]} (m={MEMORY_M} only)")
+    # the schedules not timed here: their formula (line) and their table's count (squares)
+    for label, formula, text in (("interleaved_r2", lambda m: (PIPE - 1) / (2 * m + PIPE - 1), "(p-1)/(2m+p-1)"),
+                                 ("zb_h1", lambda m: (PIPE - 1) / (3 * m + PIPE - 1), "(p-1)/(3m+p-1), F=B=W")):
+        (line,) = ax.plot(grid, formula(grid), ":", color=colors[label], lw=1.5,
+                          label=f"{names[label]}  ({text}; squares: table)")
+        handles.append(line)
+        pts = [(m, tables[f"{label}_m{m}"]["table"]) for m in ms if tables and f"{label}_m{m}" in tables]
+        ax.plot([m for m, _ in pts], [b for _, b in pts], "s", color=colors[label], ms=6, mfc="none")
     handles += [
         Line2D([], [], color="0.3", marker="o", ls="", label="measured: wall-clock fit c/(am+c)"),
         Line2D([], [], color="0.3", marker="x", ls="", mew=1.5, label="measured: CPU-time fit"),
@@ -357,8 +441,8 @@ def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str) -> None:
     ax.set_title(f"Pipeline bubble vs m, p={PIPE} stages (data={DATA} x pipe={PIPE})", fontsize=11)
     ax.grid(alpha=0.3)
     lo, hi = ax.get_ylim()
-    ax.set_ylim(lo, hi + 0.45 * (hi - lo))  # headroom for the legend above the data
-    ax.legend(handles=handles, fontsize=7.5, loc="upper right", ncol=2)
+    ax.set_ylim(lo, hi + 0.6 * (hi - lo))  # headroom for the legend above the data
+    ax.legend(handles=handles, fontsize=6.5, loc="upper right", ncol=2)
     mem_ms = sorted(set(ms) | {MEMORY_M})
     ax_mem.set_xscale("log", base=2)
     ax_mem.set_xticks(mem_ms, [str(m) for m in mem_ms])
@@ -423,16 +507,36 @@ def main(argv: list[str] | None = None) -> int:
     ratio = temp_ratio(mem, "1f1b", "gpipe")
     ratio_full = temp_ratio(mem, "1f1b", "gpipe_remat_full")
     ratio_circ = temp_ratio(mem, "circular_r2", "gpipe")
-    if ratio is None:
-        print(f"RESULT mem_ratio_1f1b_over_gpipe  n/a  target <= {MEMORY_TARGET}  "
-              "(compiled.memory_analysis() unavailable on this backend)")
-    else:
-        print(f"RESULT mem_ratio_1f1b_over_gpipe  {ratio:.4f}  target <= {MEMORY_TARGET}  "
-              f"{verdict(ratio, MEMORY_TARGET)}  (temp bytes per device, both remat none, m={MEMORY_M})")
+    ratios = {}
+    for a, b, target in MEMORY_RATIOS:
+        r_ab = ratios[f"{a}_over_{b}"] = temp_ratio(mem, a, b)
+        if r_ab is None:
+            print(f"RESULT mem_ratio_{a}_over_{b}  n/a  target <= {target}  "
+                  "(compiled.memory_analysis() unavailable on this backend)")
+        else:
+            print(f"RESULT mem_ratio_{a}_over_{b}  {r_ab:.4f}  target <= {target}  "
+                  f"{verdict(r_ab, target)}  (temp bytes per device, remat none, m={MEMORY_M})")
     if ratio_full is not None:
         print(f"RESULT mem_ratio_1f1b_over_gpipe_remat_full  {ratio_full:.4f}  (1f1b remat none / gpipe remat full)")
     if ratio_circ is not None:
         print(f"RESULT mem_ratio_circular_r2_over_gpipe  {ratio_circ:.4f}")
+    print()
+
+    print(f"[4] compiled op costs: XLA cost_analysis flops of one stage chunk on one row (one device, not run)")
+    op_costs = bench_op_costs(args.tiny)
+    unit = op_costs["F"] or 1.0
+    rel = {k: v / unit for k, v in op_costs.items()}
+    print("  " + "   ".join(f"{k} {v / 1e6:.2f} MFLOP ({rel[k]:.2f} F)" for k, v in op_costs.items()))
+    print(f"RESULT zb_h1_work_over_1f1b  {(rel['F'] + rel['B_split'] + rel['W']) / (rel['F'] + rel['B']):.3f}  "
+          "(F + B + W of ZB-H1 over F + B of 1F1B, per chunk and microbatch, compiled flops)")
+    print()
+    table_ms = sorted(set(ms) | {MEMORY_M})
+    print(f"[3] tables: ticks and bubble at p = {PIPE} from each schedule's table against the formula "
+          f"(tick model: F:B = 1:2; ZB-H1 F:B:W = 1:1:1); lockstep = the same table under the compiled op costs of [4]")
+    tables = bench_tables(table_ms, rel)
+    for key, row in tables.items():
+        extra = f"  lockstep {row['lockstep_compiled_costs']:.3f}" if "lockstep_compiled_costs" in row else ""
+        print(f"RESULT table_{key}  ticks {row['ticks']}  table {row['table']:.4f}  formula {row['formula']:.4f}{extra}")
     print()
 
     print(f"[2] bubble vs m: p = {PIPE}, m in {ms}, {args.rows} row(s) per microbatch per data shard, "
@@ -465,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     note = (f"{'tiny model' if args.tiny else 'd_model 128, 8 layers, seq 128'}, {args.rows} row/microbatch/shard; "
             f"8 simulated CPU devices on {os.cpu_count()} cores: measured = executed fill/drain work, "
             f"not parallel idle time; jax {jax.__version__}, {now[:10]}")
-    plot(bubble, mem, ms, png, note)
+    plot(bubble, mem, ms, png, note, tables)
     print()
     print(f"wrote {png} ({png.stat().st_size} bytes)")
     total = time.perf_counter() - t_start
@@ -480,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
             "memory_m": MEMORY_M, "memory": mem,
             "mem_ratio_1f1b_over_gpipe": ratio, "mem_ratio_1f1b_over_gpipe_remat_full": ratio_full,
             "mem_ratio_circular_r2_over_gpipe": ratio_circ, "memory_target": MEMORY_TARGET,
+            "mem_ratios": ratios, "op_flops": op_costs, "tables": tables,
             "memory_verdict": None if ratio is None else verdict(ratio, MEMORY_TARGET),
             "bubble_ms": ms, "warmup": warmup, "rounds": rounds, "bubble": bubble,
             "png": str(png), "total_s": total,

@@ -93,8 +93,8 @@ class ParallelConfig:
     # rest) | save_attn_mlp_offload (the same two kept in pinned host memory; not on XLA:CPU)
     remat: str = "none"
     microbatches: int = 1  # pipeline microbatches per step (M)
-    schedule: str = "gpipe"  # gpipe | circular | 1f1b
-    repeats: int = 1  # layer chunks per pipeline stage (circular schedule)
+    schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b | zb_h1
+    repeats: int = 1  # layer chunks per pipeline stage (circular; interleaved_1f1b: v)
     # Megatron sequence parallelism: the residual stream between tensor-parallel regions is
     # sharded over `tensor` on T (each tensor all-reduce -> reduce-scatter + all-gather); no-op at tensor=1
     sequence_parallel: bool = False

@@ -13,8 +13,10 @@ evaluates the same rules over every candidate layout at once.
   sequence parallelism, and what follows (batch shards, whether the stack is pipelined, the
   pipeline `Schedule` with its work table, ticks and bubble). `train_state.make_layout` lays out
   only a `Parallelism`, so an unchecked config cannot be laid out.
-- `pipelined`, `ticks` and `bubble` are the vectorised formulas that the cost model and the
-  planner read; `Schedule` computes its own from its table and the tests hold the two equal.
+- `pipelined`, `ticks`, `bubble`, `buffer_slots` and `lockstep_bubble` are the vectorised
+  formulas that the cost model and the planner read; `Schedule` computes its own from its table
+  and the tests hold the two equal. They live in schedules.py (the one owner of schedule facts,
+  the tables of 1F1B, interleaved 1F1B and ZB-H1 included) and are re-exported here.
 
 Lifting a limit is one edit here: e.g. repeats with 1F1B is the rule "repeats" below (and, for
 what the program does, the pipeline schedule itself).
@@ -29,8 +31,12 @@ from typing import Any, Callable
 import numpy as np
 
 from parallax.config import Config, ConfigError, choice_error, chunk_length, expert_d_ff, stack_length
+# The schedules' facts live in schedules.py; re-exported here, the layout's one entry point.
+from parallax.schedules import (CIRCULAR, GPIPE, INTERLEAVED, ONE_F_ONE_B, OWN_GRADIENTS, SCHEDULES, TABLE_COSTS,  # noqa: F401
+                                VIRTUAL, ZB_H1, COMPILED_COSTS, Schedule, Table, bubble, buffer_slots, lockstep_bubble,
+                                make_table, own_gradients, pipelined,
+                                stage_padding, stages_fill, ticks)
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
 REMATS = ("none", "full", "dots", "save_attn_mlp", "save_attn_mlp_offload")  # transformer.REMAT_POLICIES
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 ZERO_STAGES = (0, 1, 3)
@@ -48,151 +54,11 @@ SPLASH_MIN_BLOCK = 128
 # head dim that is a multiple of 8 and at most 256 on Hopper and later (every GPU target here:
 # h100, h200, b200; 128 before Hopper); bfloat16 or float16 inputs only.
 CUDNN_HEAD_DIM_MULTIPLE, CUDNN_MAX_HEAD_DIM = 8, 256
-GPIPE, CIRCULAR, ONE_F_ONE_B = range(3)
 NONE, FULL, DOTS, SAVE_ATTN_MLP, SAVE_ATTN_MLP_OFFLOAD = range(5)
 # The layout fields a grid varies (cost.Grid has the same names): mesh sizes, then the parallel
 # settings as integers (schedule, remat and grad_reduce as indices into the tuples above).
 LAYOUT_FIELDS = ("data", "tensor", "pipe", "expert", "zero", "microbatches", "schedule", "repeats", "remat",
                  "sequence", "grad_reduce")
-
-
-# ----------------------------------------------------------------------------------------------
-# Formulas shared by the pipeline, the cost model and the planner (numpy-broadcasting)
-
-
-def pipelined(pipe: Any, microbatches: Any) -> Any:
-    """The block stack runs as a pipeline (stages, or microbatches on one stage)."""
-    return (np.asarray(pipe) > 1) | (np.asarray(microbatches) > 1)
-
-
-def ticks(schedule: Any, pipe: Any, microbatches: Any, repeats: Any) -> Any:
-    """Ticks of the tick loop: 1F1B runs M + 2(P-1) ticks of forward and backward together;
-    GPipe and circular R*M + P - 1 of each loop."""
-    p, m, r = np.asarray(pipe), np.asarray(microbatches), np.asarray(repeats)
-    return np.where(np.asarray(schedule) == ONE_F_ONE_B, m + 2 * (p - 1), r * m + p - 1)
-
-
-def bubble(schedule: Any, pipe: Any, microbatches: Any, repeats: Any) -> Any:
-    """The ideal bubble (P-1)/(R M + P - 1) (R = 1 but for circular); 0 when not pipelined.
-    `Schedule.bubble_fraction` counts it from the table instead (1F1B: with its tick model)."""
-    p, m = np.asarray(pipe), np.asarray(microbatches)
-    r = np.where(np.asarray(schedule) == CIRCULAR, repeats, 1)
-    return np.where(pipelined(p, m), (p - 1) / (r * m + p - 1), 0.0)
-
-
-def stage_padding(units: int, stages: int, repeats: int = 1) -> int | None:
-    """Uneven stages: identity slots that pad a stack of `units` to a multiple of P*R (at its end,
-    pipeline.to_stages); None when that would leave a stage with padding only."""
-    ok, padding = _stages_fill(units, stages, repeats)
-    return int(padding) if ok else None
-
-
-def _stages_fill(units: Any, stages: Any, repeats: Any) -> tuple[Any, Any]:
-    """(every stage holds a real layer, padding slots), vectorised."""
-    chunks = np.asarray(stages) * np.asarray(repeats)
-    padding = -np.asarray(units) % chunks
-    return padding < -(-np.asarray(units) // chunks) * np.asarray(repeats), padding
-
-
-def attention_limit(kernel: str, cfg: Config) -> str | None:
-    """The one line saying why `kernel` cannot take `cfg`'s shapes (naming the limit), or None."""
-    m, t = cfg.model, cfg.train.seq_len
-    h = m.d_model // max(m.n_heads, 1)
-    if kernel == "splash" and t % SPLASH_MIN_BLOCK:
-        return (f"model.attention='splash': train.seq_len={t} must be a multiple of {SPLASH_MIN_BLOCK} (the "
-                f"kernel's query and key blocks are multiples of the TPU's {SPLASH_MIN_BLOCK} lanes)")
-    if kernel == "cudnn" and m.dtype != "bfloat16":
-        return (f"model.attention='cudnn': model.dtype={m.dtype!r}, but cuDNN flash attention takes bfloat16 "
-                "inputs only; use model.dtype=bfloat16 or model.attention=xla")
-    if kernel == "cudnn" and (h % CUDNN_HEAD_DIM_MULTIPLE or h > CUDNN_MAX_HEAD_DIM):
-        return (f"model.attention='cudnn': head dim model.d_model / model.n_heads = {h}, but cuDNN flash attention "
-                f"needs a multiple of {CUDNN_HEAD_DIM_MULTIPLE} and at most {CUDNN_MAX_HEAD_DIM}")
-    if kernel in KERNEL_PLATFORM and chunk_length(cfg.parallel.attention_chunk, t) < t:
-        return (f"parallel.attention_chunk={cfg.parallel.attention_chunk} splits XLA's attention into query blocks; "
-                f"model.attention={kernel!r} never holds the [T, T] scores: set parallel.attention_chunk=0")
-    return None
-
-
-def attention_kernel(cfg: Config, platform: str) -> str:
-    """The kernel the model's attention runs on `platform` ('cpu', 'gpu', 'tpu'; 'accelerator':
-    unnamed): model.attention when forced; `auto`: the platform's fused kernel when the config's
-    shapes fit it (attention_limit; an attention_chunk asks for XLA's blocks), else XLA."""
-    asked = cfg.model.attention
-    if asked != "auto":
-        return asked
-    kernel = {"gpu": "cudnn", "tpu": "splash"}.get(platform, "xla")
-    return kernel if kernel == "xla" or attention_limit(kernel, cfg) is None else "xla"
-
-
-# ----------------------------------------------------------------------------------------------
-# The pipeline schedule's table
-
-
-@dataclass(frozen=True)
-class Schedule:
-    stages: int  # P
-    microbatches: int  # M
-    repeats: int = 1  # R (chunks per stage)
-    name: str = "gpipe"
-    units: int = 0  # U, the scanned stack's length; 0: a multiple of R*P (no padding)
-
-    @property
-    def chunk_units(self) -> int:
-        """Lc: units per chunk, the stack padded up to a multiple of R*P (uneven stages)."""
-        return -(-self.units // (self.repeats * self.stages))
-
-    @property
-    def padding(self) -> int:
-        """Identity slots appended to the stack so that R*P chunks split it evenly."""
-        return self.chunk_units * self.repeats * self.stages - self.units if self.units else 0
-
-    @property
-    def ticks(self) -> int:
-        return int(ticks(SCHEDULES.index(self.name), self.stages, self.microbatches, self.repeats))
-
-    def work(self, tick: int, stage: int) -> tuple[bool, int, int]:
-        """(busy, microbatch, repeat) of `stage` at `tick` (GPipe/circular): stage s at tick t
-        works on item k = t - s of its queue, which visits microbatches in groups of P, each
-        group going round the ring R times."""
-        p, r, m = self.stages, self.repeats, self.microbatches
-        k = tick - stage
-        if not 0 <= k < r * m:
-            return False, 0, 0
-        group, rest = divmod(k, r * p)
-        return True, group * p + rest % p, rest // p
-
-    def one_f_one_b_work(self, tick: int, stage: int) -> tuple[bool, int, bool, int]:
-        """1F1B: (forward busy, its microbatch, backward busy, its microbatch) of `stage` at `tick`.
-
-        Forward of microbatch i on stage s at tick i + s; its loss head and backward start on the
-        last stage in the same tick, so the backward reaches stage s at tick i + 2(P-1) - s.
-        Ints, or traced arrays (pipeline_1f1b's tick loop reads the same table).
-        """
-        p, m = self.stages, self.microbatches
-        i_f, i_b = tick - stage, tick - 2 * (p - 1) + stage
-        return (i_f >= 0) & (i_f < m), i_f, (i_b >= 0) & (i_b < m), i_b
-
-    def idle_stage_ticks(self) -> int:
-        return sum(not self.work(t, s)[0] for t in range(self.ticks) for s in range(self.stages))
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle over total stage time, counted from the schedule table itself.
-
-        Time model: a backward costs twice a forward. GPipe/circular run a forward loop and a
-        backward loop of `ticks` ticks each, so this is idle stage-ticks over stage-ticks. 1F1B
-        ticks run in lockstep and skip idle halves, so a tick lasts as long as its busiest stage.
-        """
-        if self.name != "1f1b":
-            return self.idle_stage_ticks() / (self.ticks * self.stages)
-        total = 0
-        for t in range(self.ticks):
-            work = [self.one_f_one_b_work(t, s) for s in range(self.stages)]
-            total += max(int(f) + 2 * int(b) for f, _, b, _ in work)
-        return 1 - 3 * self.microbatches / total
-
-    def formula(self) -> float:
-        return float(bubble(SCHEDULES.index(self.name), self.stages, self.microbatches, self.repeats))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,7 +75,7 @@ class View:
             setattr(self, name, np.asarray(layout[name]))
         self.dp = self.data * self.expert  # batch shards: outside MoE layers `expert` is data parallelism
         self.piped = pipelined(self.pipe, self.microbatches)
-        self.f1b = self.piped & (self.schedule == ONE_F_ONE_B)
+        self.f1b = self.piped & own_gradients(self.schedule)  # 1F1B, interleaved, ZB-H1
         self.moe = bool(cfg.model.moe.num_experts)
         self.units = stack_length(cfg.model)
         self.cpu = platform == "cpu"
@@ -292,13 +158,19 @@ RULES: tuple[Rule, ...] = (
          lambda v: "model.moe.dispatch='ragged' has no FP8 expert matmuls: use dispatch=capacity with fp8.enabled",
          layout=False),
     # the pipeline over `pipe`
-    Rule("repeats", lambda v: (v.repeats == 1) | (v.schedule == CIRCULAR),
-         lambda v: f"parallel.repeats={v.repeats} needs parallel.schedule='circular', got {v.cfg.parallel.schedule!r}"),
+    Rule("repeats", lambda v: (v.repeats == 1) | np.isin(v.schedule, VIRTUAL),
+         lambda v: f"parallel.repeats={v.repeats} needs a schedule with several chunks per stage (circular or "
+                   f"interleaved_1f1b), got parallel.schedule={v.cfg.parallel.schedule!r}"),
     Rule("microbatches", lambda v: (v.pipe == 1) | (v.microbatches >= v.pipe),
          lambda v: f"parallel.microbatches={v.microbatches} must be >= mesh.pipe={v.pipe}"),
     Rule("circular_groups", lambda v: (v.schedule != CIRCULAR) | (v.microbatches % v.pipe == 0),
          lambda v: f"parallel.microbatches={v.microbatches} must be a multiple of mesh.pipe={v.pipe} (circular)"),
-    Rule("stage_fill", lambda v: _stages_fill(v.units, v.pipe, v.repeats)[0],
+    # (Megatron's interleaved order runs microbatches in groups of P through each chunk: the last
+    # stage's chunk-c output of a group reaches stage 0 exactly when chunk c+1 is due there)
+    Rule("interleaved_groups", lambda v: (v.schedule != INTERLEAVED) | (v.repeats == 1) | (v.microbatches % v.pipe == 0),
+         lambda v: f"parallel.microbatches={v.microbatches} must be a multiple of mesh.pipe={v.pipe} "
+                   f"(interleaved_1f1b with parallel.repeats={v.repeats})"),
+    Rule("stage_fill", lambda v: stages_fill(v.units, v.pipe, v.repeats)[0],
          lambda v: (f"model.n_layers={v.m.n_layers}" if v.units == v.m.n_layers else
                     f"model.n_layers / model.moe.every = {v.units}")
                    + f" is too few for mesh.pipe x parallel.repeats = {v.pipe} x {v.repeats}: padding the stack to a "

@@ -24,6 +24,11 @@ def test_bench_pipeline_tiny(tmp_path):
     assert re.search(
         r"^RESULT mem_ratio_1f1b_over_gpipe\s+(\d+\.\d+\s+target <= 0\.5\s+(PASS|FAIL)|n/a)", proc.stdout, re.M
     ), proc.stdout
+    # ... and the table schedules' lines: interleaved and ZB-H1 against GPipe, ZB-H1 against 1F1B
+    for a, b, target in (("interleaved_r2", "gpipe", "0.5"), ("zb_h1", "gpipe", "0.5"), ("zb_h1", "1f1b", "1.1")):
+        assert re.search(rf"^RESULT mem_ratio_{a}_over_{b}\s+(\d+\.\d+\s+target <= {re.escape(target)}\s+(PASS|FAIL)|n/a)",
+                         proc.stdout, re.M), proc.stdout
+    assert re.search(r"^RESULT zb_h1_work_over_1f1b\s+\d+\.\d+", proc.stdout, re.M), proc.stdout
     png = tmp_path / "pipeline_bubble.png"
     assert png.is_file() and png.stat().st_size > 1000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

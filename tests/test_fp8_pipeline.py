@@ -48,7 +48,14 @@ LAYOUTS = {
     "1f1b_uneven_d2_t2_p2": (DENSE3, MeshConfig(data=2, tensor=2, pipe=2), ParallelConfig(microbatches=2, schedule="1f1b")),
     "1f1b_moe_d2_p2_e2_zero3": (MOE4, MeshConfig(data=2, pipe=2, expert=2),
                                 ParallelConfig(microbatches=2, schedule="1f1b", zero=3)),
+    # interleaved: 3 layers in 2 x 2 chunks (one identity slot); ZB-H1: the state recorded by the
+    # B pass (the W pass recomputes with the same state and records nothing)
+    "interleaved_uneven_d2_t2_p2_r2": (DENSE3, MeshConfig(data=2, tensor=2, pipe=2),
+                                       ParallelConfig(microbatches=2, schedule="interleaved_1f1b", repeats=2)),
+    "zb_h1_moe_d2_p2_e2_zero3": (MOE4, MeshConfig(data=2, pipe=2, expert=2),
+                                 ParallelConfig(microbatches=2, schedule="zb_h1", zero=3)),
 }
+OWN_GRADIENTS = ("1f1b", "interleaved_1f1b", "zb_h1")
 LOSS_RTOL, STATE_RTOL = 1e-6, 1e-5
 # `current` per microbatch against one whole-batch scale: FP8 rounding of different scales
 CURRENT_VS_WHOLE_BATCH_LOSS_RTOL = 1e-3
@@ -101,8 +108,8 @@ def test_fp8_state_in_pipeline_stages_equals_one_device_after_steps(name, recipe
     model, mesh, parallel = LAYOUTS[name]
     losses, first, last = _run(model, mesh, parallel, recipe)
     reference = REFERENCE[recipe]
-    if recipe == "current" and parallel.schedule == "1f1b":
-        # 1F1B runs the loss head per microbatch (GPipe: on the whole batch, after the stack), so
+    if recipe == "current" and parallel.schedule in OWN_GRADIENTS:
+        # 1F1B (interleaved, ZB-H1 too) runs the loss head per microbatch (GPipe: on the whole batch, after the stack), so
         # under `current` its logits matmul scales by each microbatch's amax: one device running
         # 1F1B with the same M is the reference.
         reference = dataclasses.replace(reference, schedule="1f1b")

@@ -211,6 +211,12 @@ PIPELINED = {
                                        "parallel.microbatches=2", "parallel.schedule=1f1b"],
     "1f1b_data2_tensor2_pipe2_remat": ["mesh.data=2", "mesh.tensor=2", "mesh.pipe=2", "parallel.microbatches=2",
                                        "parallel.schedule=1f1b", "parallel.remat=full"],
+    # interleaved 1F1B (2 chunks per stage) with ZeRO-3; ZB-H1 (the split B and W) on all four axes
+    "interleaved_data2_pipe2_expert2_zero3": ["mesh.data=2", "mesh.pipe=2", "mesh.expert=2", "parallel.zero=3",
+                                              "parallel.microbatches=2", "parallel.schedule=interleaved_1f1b",
+                                              "parallel.repeats=2"],
+    "zb_h1_tensor2_pipe2_expert2": ["mesh.data=1", "mesh.tensor=2", "mesh.pipe=2", "mesh.expert=2",
+                                    "parallel.microbatches=4", "parallel.schedule=zb_h1"],
 }
 
 

@@ -69,12 +69,14 @@ def test_planner_candidates_are_exactly_the_legal_layouts_it_enumerates():
         parallelism.check(cfg, sizes)  # every candidate is a layout a config may ask for
     # MoE runs in every schedule, 1F1B included (pipeline_1f1b.py)
     assert np.any((g.schedule == parallelism.ONE_F_ONE_B) & (g.pipe > 1))
+    # ... and the other table schedules: interleaved chunks, the split backward
+    assert np.any((g.schedule == parallelism.INTERLEAVED) & (g.repeats > 1))
+    assert np.any(g.schedule == parallelism.ZB_H1)
 
 
 def test_lifting_a_limit_is_one_edit(monkeypatch):
-    """Chunks per stage (repeats) with 1F1B are refused by one rule; without it the config check
-    accepts it (the program itself is the pipeline issue's; the planner enumerates repeats for
-    the circular schedule only)."""
+    """Chunks per stage (repeats) with 1F1B are refused by one rule (interleaved_1f1b is the
+    schedule with chunks); without the rule the config check accepts it."""
     cfg = Config(model=MOE, parallel=ParallelConfig(schedule="1f1b", microbatches=4, repeats=2),
                  train=TrainConfig(global_batch=16, seq_len=32))
     sizes = dict(data=2, tensor=1, pipe=2, expert=2)
@@ -85,14 +87,16 @@ def test_lifting_a_limit_is_one_edit(monkeypatch):
 
 
 @pytest.mark.parametrize("p, m, r, name", [(1, 4, 1, "1f1b"), (2, 4, 1, "gpipe"), (4, 8, 2, "circular"),
-                                           (4, 8, 1, "1f1b"), (3, 3, 1, "gpipe")])
+                                           (4, 8, 1, "1f1b"), (3, 3, 1, "gpipe"), (4, 8, 2, "interleaved_1f1b"),
+                                           (4, 8, 1, "zb_h1"), (2, 3, 1, "zb_h1")])
 def test_schedule_formulas_agree_with_its_table(p, m, r, name):
+    """Every schedule's table counts its formula's ticks and bubble (tests/test_schedules.py walks
+    the table schedules over many more layouts)."""
     s = Schedule(p, m, r, name)
     index = SCHEDULES.index(name)
     assert s.ticks == int(ticks(index, p, m, r))
     assert s.formula() == pytest.approx(float(bubble(index, p, m, r)))
-    if name != "1f1b":  # GPipe/circular: the table's idle share is the formula exactly
-        assert s.bubble_fraction == pytest.approx(s.formula())
+    assert s.bubble_fraction == pytest.approx(s.formula())
 
 
 def test_parallelism_says_what_follows():

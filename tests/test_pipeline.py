@@ -47,29 +47,7 @@ def test_schedule_runs_every_item_once_in_dependency_order(p, m, r):
     assert sched.idle_stage_ticks() == p * (p - 1)
 
 
-@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 32), (8, 8)])
-def test_1f1b_table_order_and_memory_bound(p, m):
-    sched = Schedule(p, m, 1, "1f1b")
-    fwd, bwd = {}, {}
-    for t in range(sched.ticks):
-        for s in range(p):
-            f_busy, i_f, b_busy, i_b = sched.one_f_one_b_work(t, s)
-            if f_busy:
-                assert (i_f, s) not in fwd
-                fwd[(i_f, s)] = t
-            if b_busy:
-                assert (i_b, s) not in bwd
-                bwd[(i_b, s)] = t
-    assert len(fwd) == len(bwd) == m * p
-    for (i, s), t in fwd.items():
-        assert s == 0 or fwd[(i, s - 1)] == t - 1  # activation arrives from the previous stage
-        assert bwd[(i, s)] >= t  # backward after forward (same tick on the last stage)
-        assert s == p - 1 or bwd[(i, s + 1)] == bwd[(i, s)] - 1  # cotangent from the next stage
-        # in flight on stage s (input buffered) for at most 2p - 1 ticks: the 2p-slot ring suffices
-        assert bwd[(i, s)] - t < 2 * p
-    # with backward = 2 x forward and idle halves skipped, the time bubble is GPipe's
-    assert sched.bubble_fraction == pytest.approx(sched.formula())
-    assert sched.ticks == m + 2 * (p - 1)
+# (the table schedules' tables: tests/test_schedules.py)
 
 
 def test_stage_layout_is_a_reshape_of_the_layer_stack():
@@ -138,6 +116,12 @@ CASES = {
     "1f1b_p2_d4_zero3": (MeshConfig(data=4, pipe=2), ParallelConfig(microbatches=2, schedule="1f1b", zero=3)),
     "1f1b_d2_t2_p2_zero3_remat": (MeshConfig(data=2, tensor=2, pipe=2),
                                   ParallelConfig(microbatches=4, schedule="1f1b", zero=3, remat="full")),
+    # interleaved 1F1B with sequence parallelism (the T/t residual stream round the ring); ZB-H1
+    # with ZeRO-3 (the W pass's gradients reduce-scattered once, as B's in 1F1B)
+    "interleaved_r2_d2_t2_p2_sp": (MeshConfig(data=2, tensor=2, pipe=2),
+                                   ParallelConfig(microbatches=2, schedule="interleaved_1f1b", repeats=2,
+                                                  sequence_parallel=True)),
+    "zb_h1_p2_d4_zero3": (MeshConfig(data=4, pipe=2), ParallelConfig(microbatches=2, schedule="zb_h1", zero=3)),
 }
 
 
@@ -166,7 +150,8 @@ def test_each_stage_holds_only_its_layers(reference):
 # The compiled step: one collective-permute per tick each way, the weight gradient reduced once
 
 
-@pytest.fixture(scope="module", params=["gpipe", "1f1b"])
+# (ZB-H1: its 3M + P - 1 unit ticks each send both ways; interleaved runs 1F1B's tick)
+@pytest.fixture(scope="module", params=["gpipe", "1f1b", "zb_h1"])
 def pipeline_hlo(request):
     parallel = ParallelConfig(microbatches=4, schedule=request.param)
     cfg = dataclasses.replace(BASE, mesh=MeshConfig(data=2, tensor=2, pipe=2), parallel=parallel)
@@ -185,7 +170,7 @@ def test_one_permute_per_tick_each_way(pipeline_hlo):
     assert all(c.axes == ("pipe",) and c.executions == sched.ticks for c in permutes), permutes
     if sched.name == "gpipe":  # two half-microbatch sends per tick, forward loop and its transpose
         assert len(permutes) == 4 and all(c.bytes == micro_bytes // 2 for c in permutes), permutes
-    else:  # 1F1B: activations forward and cotangents backward, both in its one loop
+    else:  # table schedules: activations forward and cotangents backward, both in the one loop, every tick
         assert len(permutes) == 2 and all(c.bytes == micro_bytes for c in permutes), permutes
 
 
@@ -213,6 +198,10 @@ def test_no_stage_weight_gathers_and_gradients_reduced_once(pipeline_hlo):
     (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, repeats=2), "parallel.repeats"),
     (4, MeshConfig(data=2, pipe=4), ParallelConfig(microbatches=6, schedule="circular"), "parallel.microbatches"),
     (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="1f1b", repeats=2), "parallel.repeats"),
+    (4, MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="zb_h1", repeats=2), "parallel.repeats"),
+    # interleaved chunks visit microbatches in groups of P
+    (8, MeshConfig(data=1, pipe=4), ParallelConfig(microbatches=6, schedule="interleaved_1f1b", repeats=2),
+     "parallel.microbatches"),
 ])
 def test_bad_pipeline_config_names_the_field(layers, mesh, parallel, field):
     cfg = dataclasses.replace(BASE, mesh=mesh, parallel=parallel, model=dataclasses.replace(MODEL, n_layers=layers))
@@ -269,6 +258,19 @@ def test_schedule_grid_matches_single_device(grid_reference, schedule, r, p, fac
     assert_trees_close(grads, ref_grads, GRAD_RTOL, GRAD_ATOL)
 
 
+# Interleaved 1F1B (v = 2; v = 1 is the 1F1B above, the same table) and ZB-H1: p in {2, 4}, m in
+# {p, 2p}, and 4p once. One compile each.
+@pytest.mark.parametrize("schedule,r,p,m", [
+    ("interleaved_1f1b", 2, 2, 2), ("interleaved_1f1b", 2, 2, 4), ("interleaved_1f1b", 2, 2, 8),
+    ("interleaved_1f1b", 2, 4, 4), ("interleaved_1f1b", 2, 4, 8),
+    ("zb_h1", 1, 2, 2), ("zb_h1", 1, 2, 4), ("zb_h1", 1, 4, 4), ("zb_h1", 1, 4, 8),
+])
+def test_interleaved_and_zero_bubble_match_single_device(grid_reference, schedule, r, p, m):
+    parallel = ParallelConfig(microbatches=m, schedule=schedule, repeats=r)
+    cfg = dataclasses.replace(GRID, mesh=MeshConfig(data=1, pipe=p), parallel=parallel)
+    _assert_matches(_grid_loss_grads(cfg, available_devices(p)), grid_reference)
+
+
 def test_circular_under_remat_matches_single_device(grid_reference):
     """Each unit slices its weights inside its checkpoint (pipeline.stage_fn); `dots` takes the
     same path as `full` with another policy."""
@@ -296,6 +298,10 @@ def uneven_reference():
     (MeshConfig(data=1, pipe=4), ParallelConfig(microbatches=4, schedule="1f1b")),
     (MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=4, schedule="1f1b", zero=3, remat="dots")),
     (MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="circular", repeats=2, remat="full", zero=3)),
+    # interleaved: 2 x 2 chunks, the last one padded (the chunk index picks the mask inside the loop)
+    (MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, schedule="interleaved_1f1b", repeats=2, zero=3,
+                                                remat="dots")),
+    (MeshConfig(data=1, pipe=4), ParallelConfig(microbatches=4, schedule="zb_h1", zero=1, remat="full")),
 ])
 def test_uneven_stages_match_single_device(uneven_reference, mesh, parallel):
     cfg = dataclasses.replace(UNEVEN, mesh=mesh, parallel=parallel)

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "parallax"
 # The data-flow order: the config and its rules, then the subpackages (model math, what runs over
 # the mesh, a training run, reading a layout without running it), then the command line.
 ORDER = [
-    "config", "parallelism",
+    "config", "schedules", "parallelism",
     "model.logical", "model.layers", "model.vocab", "model.kernels", "model.attention", "model.fp8", "model.moe", "model.transformer",
     "parallel.mesh", "parallel.targets", "parallel.sharding", "parallel.fused_attention", "parallel.expert_parallel", "parallel.pipeline", "parallel.pipeline_1f1b",
     "train.distributed", "train.optim", "train.train_state",

@@ -154,21 +154,25 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
     `save_attn_mlp` keeps the attention output (after its all-reduce), so only the MLP output of
     every block but a unit's last is recomputed (with its all-reduce); every recomputed block
     gathers its norm outputs again, under `dots` and `save_attn_mlp` too, norms not being dots);
-    pipeline_1f1b.make_1f1b_value_and_grad's `backward`, which always recomputes the stage
+    pipeline_1f1b.make_scheduled_value_and_grad's `backward`, which always recomputes the stage
     forward inside its vjp (one all-reduce fewer when Lc == 1); Dims.halves and Dims.static_scale.
     """
     on_t, halves = s.t > 1, s.halves
     # Per unit: 2 per dense block; an MoE block all-reduces its attention output and (shared
     # experts) the shared MLP's; its expert output is _moe_tensor_terms'.
     per_unit = 2 * (s.unit - s.moe) + s.moe * (1 + int(s.S > 0))
-    recompute = np.where(s.f1b, s.M * (2 * s.Lc - (s.Lc == 1)),
+    # table schedules: every chunk call recomputed (ZB-H1: in B and again in W, whose weight
+    # gradients also need the input-gradient chain: the backward's partial sums twice)
+    reruns = s.M * s.r * (1 + s.zb)
+    recompute = np.where(s.f1b, reruns * (2 * s.Lc - (s.Lc == 1)),
                          np.select([s.remat == FULL, s.remat >= SAVE_ATTN_MLP],
                                    [s.units_run * (2 * s.unit - 1), s.units_run * (s.unit - 1)], 0))
     for what, n in (("block forward (2 per layer)", per_unit * s.busy_units),
-                    ("block backward (2 per layer)", per_unit * s.busy_units), ("block recomputation", recompute)):
+                    ("block backward (2 per layer)", per_unit * s.busy_units * (1 + s.zb)),
+                    ("block recomputation", recompute)):
         out.partial_sum(s, what, s.act_run / halves, n * halves, on_t, n * halves * s.static_scale)
     gathers = 2 * s.busy_layers * halves
-    regathers = 2 * np.where(s.f1b, s.M * s.Lc, np.where(s.remat != NONE, s.layers_run, 0)) * halves
+    regathers = 2 * np.where(s.f1b, reruns * s.Lc, np.where(s.remat != NONE, s.layers_run, 0)) * halves
     for what, n in (("sequence-parallel norm gathers forward (2 per layer)", gathers),
                     ("sequence-parallel cotangent gathers backward (2 per layer)", gathers),
                     ("sequence-parallel norm gathers recomputed", regathers)):
@@ -235,9 +239,11 @@ def expert_terms(s: Dims) -> list[Term]:
 def pipe_terms(s: Dims) -> list[Term]:
     """Over `pipe`. GPipe/circular (pipeline.run_pipeline's `tick`): one ppermute round the ring
     per half-microbatch (Dims.halves) each tick, and the same in the transpose; one psum of the
-    stack outputs (only the last stage wrote them) and its transpose. 1F1B
-    (pipeline_1f1b.make_1f1b_value_and_grad): one ppermute of activations and one of cotangents
-    per tick; psums of the input cotangents `dx_all` and of the head gradients `g_outer`.
+    stack outputs (only the last stage wrote them) and its transpose. The table schedules (1F1B,
+    interleaved 1F1B, ZB-H1: pipeline_1f1b.make_scheduled_value_and_grad): one ppermute of
+    activations and one of cotangents per tick of their table (ZB-H1: 3M + P - 1 unit ticks, both
+    sends every tick, one of them zeros where the stage ran no F or no B); psums of the input
+    cotangents `dx_all` and of the head gradients `g_outer`.
     Sequence parallelism: what is sent or summed of the residual stream is T/t of it.
 
     Overlap: GPipe's first half-microbatch's send runs behind the second half's compute, and
@@ -339,7 +345,7 @@ def _stage_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
 
 def _outer_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
     """The embedding, head and final-norm gradients, once per step. 1F1B
-    (pipeline_1f1b.make_1f1b_value_and_grad) reduces the embedding twice: its (zero) head-side
+    (pipeline_1f1b.make_scheduled_value_and_grad) reduces the embedding twice: its (zero) head-side
     gradient inside, as part of `g_outer`, which leaves the stage shard_map as float32 cotangents
     (seen compiling for TPU), and the real one outside, in grad_reduce_dtype."""
     f1b, dp, split = s.f1b, s.dp, r.split

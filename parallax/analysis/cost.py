@@ -17,7 +17,7 @@ import numpy as np
 
 from parallax.config import Config, ModelConfig, ParallelConfig, chunk_length, expert_d_ff, moe_capacity
 from parallax.parallelism import (CIRCULAR, DOTS, FULL, GPIPE, NONE, ONE_F_ONE_B, SAVE_ATTN_MLP, SAVE_ATTN_MLP_OFFLOAD,
-                                  layout_fields, pipelined, reduces_once, ticks)
+                                  ZB_H1, buffer_slots, layout_fields, own_gradients, pipelined, reduces_once, ticks)
 
 # XLA:CPU activation memory, read off 71 compiles (experiments/calibrate_cost.py: d_model, d_ff,
 # layers, heads, sequence, batch, vocab and tensor varied one at a time under each remat policy
@@ -124,7 +124,9 @@ class Dims:
         self.r = np.asarray(g.repeats)
         self.sched, self.remat, self.zero = np.asarray(g.schedule), np.asarray(g.remat), np.asarray(g.zero)
         self.piped = pipelined(p, self.M)
-        self.f1b = self.piped & (self.sched == ONE_F_ONE_B)
+        # a table schedule (1F1B, interleaved 1F1B, ZB-H1): the pipeline computes its gradients
+        self.f1b = self.piped & own_gradients(self.sched)
+        self.zb = self.piped & (self.sched == ZB_H1)  # the backward split: B and W each recompute
         self.ticks = ticks(self.sched, p, self.M, self.r)
         self.rows = w.global_batch / self.dp  # rows per batch shard
         self.tok = self.rows * self.T  # tokens per batch shard
@@ -192,16 +194,16 @@ class Dims:
         """
         piped, f1b, M = self.piped, self.f1b, self.M
         self.layers_run = np.where(piped, self.ticks * self.Lc, self.L)
-        self.busy_layers = np.where(f1b, M * self.Lc, self.layers_run)
+        self.busy_layers = np.where(f1b, M * self.Ldev, self.layers_run)  # every chunk on every microbatch
         self.units_run, self.busy_units = self.layers_run / self.unit, self.busy_layers / self.unit
         self.units_dev = self.Ldev / self.unit  # units stored per device
-        self.static_scale = np.where(f1b, self.ticks / M, 1)
+        self.static_scale = np.where(f1b, self.ticks / (M * self.r), 1)
         self.halves = np.where(piped & ~f1b & ((self.rows / M) % 2 == 0), 2, 1)
         self.act_run = np.where(piped, self.act_m, self.act)  # one block call's [B/dp (/M), T, D]
         self.slots_run = np.where(piped, self.slots / M, self.slots) / self.halves  # one MoE call's slots
         # MoE layer calls per step, and those recomputed (any remat policy; 1F1B's stage vjp)
         self.moe_calls = self.moe * self.busy_units * self.halves
-        self.moe_recalls = self.moe * np.where(f1b, M * self.Lc / self.unit,
+        self.moe_recalls = self.moe * np.where(f1b, (1 + self.zb) * M * self.Ldev / self.unit,
                                                np.where(self.remat != NONE, self.units_run, 0)) * self.halves
 
 
@@ -306,7 +308,8 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     tok_m = s.tok / s.M
     vocab_t = s.V / t
     # Saved activations. Plain: every layer once. GPipe/circular: every tick's chunk residuals
-    # until the backward loop. 1F1B: 2P stage inputs in the ring buffer, the input cotangents
+    # until the backward loop. Table schedules: the tick loop's buffers (schedules.buffer_slots:
+    # 1F1B about 2P stage inputs, interleaved vP + P chunk inputs, ZB-H1 2P + 1), the input cotangents
     # [M, B/M, T, D], one stage's residuals (Lc layers) while its vjp runs, and the gradient
     # accumulators carried through the tick loop.
     plain_saved = s.L * (s.tok * saved_tok + saved_layer)
@@ -314,7 +317,9 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # backward keeps each slice (pipeline.stage_fn).
     chunk_slices = np.where((s.sched == CIRCULAR) & (s.remat == NONE), 4 * s.Lc * s.layer_t, 0)
     gpipe_saved = s.ticks * (s.Lc * (tok_m * saved_tok + saved_layer) + chunk_slices)
-    f1b_saved = (2 * s.p * tok_m * D * c + s.act) / sp_t + s.Lc * (tok_m * saved_tok + saved_layer) + 4 * s.params_t
+    # Table schedules: the tick loop's input and cotangent buffers (schedules.buffer_slots)
+    slots = buffer_slots(s.sched, s.p, s.M, s.r)
+    f1b_saved = (slots * tok_m * D * c + s.act) / sp_t + s.Lc * (tok_m * saved_tok + saved_layer) + 4 * s.params_t
     activations = np.where(s.f1b, f1b_saved, np.where(s.piped, gpipe_saved, plain_saved))
     # save_attn_mlp: the unit whose backward runs at the peak holds its names in the working set
     # below (its un-rematted residuals), so they count once (measured on XLA:CPU: the compiled
@@ -407,8 +412,12 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     # MoE block the experts' output projection (the combine's backward needs their outputs).
     saved = s.unit * (2 * s.D * s.H * (s.N + 2 * s.K) + attn * s.N * s.H * s.T) + (s.unit - 1) * wo \
         + s.moe * s.slots_tok * 2 * s.D * s.Fe
-    recompute = np.select([s.f1b, s.remat == FULL, s.remat == DOTS, s.remat >= SAVE_ATTN_MLP],
-                          [fwd - dead * s.unit / s.Lc, fwd - dead, s.moe * experts, saved], 0)
+    # ZB-H1: B and W each recompute the stage, and W runs the input-gradient chain again (the
+    # weights' gradients of a unit need the cotangent of its output): 2 recomputes + about 1 fwd
+    # (a unit's input-gradient matmuls cost its forward's)
+    stage_rerun = fwd - dead * s.unit / s.Lc
+    recompute = np.select([s.zb, s.f1b, s.remat == FULL, s.remat == DOTS, s.remat >= SAVE_ATTN_MLP],
+                          [2 * stage_rerun + fwd, stage_rerun, fwd - dead, s.moe * experts, saved], 0)
     # attention in query blocks (parallel.attention_chunk): each block is checkpointed, so its
     # scores and values are computed once more in the backward pass, under any remat policy
     recompute = recompute + (s.query_rows < s.T) * s.unit * attn * s.N * s.H * s.T

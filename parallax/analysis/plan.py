@@ -19,12 +19,14 @@ outermost) and K devices per fast domain (an NVLink host; a TPU ICI slice): ring
 Overlap as the design states: tensor all-reduces exposed; the data-parallel gradient reduction
 inside the backward layer loop hidden behind the backward pass (after the tick loop when
 pipelined: exposed); ZeRO-3 gathers prefetched behind compute; pipeline sends behind the other
-half-microbatch's compute (exposed only where longer); the 1F1B/GPipe bubble (P-1)/(R M+P-1);
+half-microbatch's compute (exposed only where longer); the GPipe/circular bubble (P-1)/(R M+P-1),
+the table schedules' (1F1B, interleaved 1F1B, ZB-H1) from their tables in lockstep under the
+compiled op costs (schedules.lockstep_bubble: ZB-H1's B and W each recompute the stage);
 the MoE all-to-alls over `expert` exposed (the expert matmuls wait for the dispatched slots).
 
 MoE models search `expert` too (dividing num_experts; the batch is split over data x expert), with
 MoE blocks inside GPipe/circular stages when pipe > 1 (tests/test_cost_moe.py validates those
-terms against compiles); parallelism.RULES refuses MoE with 1F1B, and so the search leaves it out.
+terms against compiles) and the table schedules.
 The device, preset and published-run tables live in presets.py.
 """
 
@@ -45,7 +47,8 @@ from parallax.config import (Config, ConfigError, Fp8Config, ModelConfig, TrainC
                              expert_d_ff, load_experiment, stack_length)
 from parallax.analysis.collectives import collective_terms
 from parallax.analysis.cost import Grid, Workload, hardware_flops_per_device, memory_parts, model_flops_per_step
-from parallax.parallelism import CIRCULAR, GPIPE, LAYOUT_FIELDS, ONE_F_ONE_B, REMATS, SCHEDULES, bubble, legal, pipelined
+from parallax.parallelism import (CIRCULAR, GPIPE, INTERLEAVED, LAYOUT_FIELDS, ONE_F_ONE_B, REMATS, SCHEDULES, ZB_H1,
+                                  bubble, legal, lockstep_bubble, own_gradients, pipelined)
 from parallax.analysis.presets import PUBLISHED  # noqa: F401 - re-exported: the published runs beside compare_published
 from parallax.analysis.presets import ALIASES, DEVICES, PRESETS, Device, PublishedRun
 
@@ -88,7 +91,9 @@ def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3), sequence=(0, 
                 if p == 1:
                     scheds = [(GPIPE, 1)] if mb == 1 else [(ONE_F_ONE_B, 1)]
                 else:
-                    scheds = [(GPIPE, 1), (ONE_F_ONE_B, 1)] + [(CIRCULAR, r) for r in _divisors(-(-units // p)) if r > 1]
+                    repeats = [r for r in _divisors(-(-units // p)) if r > 1]
+                    scheds = ([(GPIPE, 1), (ONE_F_ONE_B, 1), (ZB_H1, 1)] + [(CIRCULAR, r) for r in repeats]
+                              + [(INTERLEAVED, r) for r in repeats])
                 for (sched, r), zero, remat in itertools.product(scheds, zero_stages, remats):
                     for sp in (sequence if t > 1 else (0,)):
                         rows.append((d, t, p, e, zero, mb, sched, r, remat, sp, 0))
@@ -134,9 +139,13 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     rate = peak * dev.efficiency
     m_, sched = np.asarray(g.microbatches), np.asarray(g.schedule)
     piped = pipelined(p, m_)
-    f1b = piped & (sched == ONE_F_ONE_B)
+    f1b = piped & own_gradients(sched)
     t_blocks = hw["blocks"] / rate
-    stretch = np.where(f1b, (m_ + p - 1) / m_, 1.0)  # 1F1B: busy work stretched by its bubble
+    # Table schedules skip idle work, so their busy work is stretched by their bubble: the table's,
+    # ticks in lockstep under the compiled op costs (schedules.COMPILED_COSTS; 1F1B and interleaved:
+    # the formula, ZB-H1: more than the paper's, B and W each recomputing the stage)
+    lockstep = lockstep_bubble(sched, p, m_, g.repeats)
+    stretch = np.where(f1b, 1 / (1 - np.where(f1b, lockstep, 0)), 1.0)
     t_compute = t_blocks * stretch + (hw["head"] + hw["embedding"] + hw["optimizer"]) / rate
     strides = {"tensor": 1, "expert": t, "data": t * e, "pipe": t * e * d}  # device order: tensor innermost
     sizes = {"tensor": t, "expert": e, "data": d, "pipe": p}
@@ -174,7 +183,7 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     mfu = flops / (n * dev.peak_bf16 * step)
     return {"memory": mem, "flops": hw, "compute_s": t_compute, "tensor_s": exposed["tensor"],
             "pipe_s": exposed["pipe"], "data_s": exposed["data"], "expert_s": exposed["expert"], "step_s": step,
-            "mfu": mfu, "bubble": bubble(sched, p, m_, g.repeats), "host_s": host_s}
+            "mfu": mfu, "bubble": np.where(f1b, lockstep, bubble(sched, p, m_, g.repeats)), "host_s": host_s}
 
 
 @dataclass(frozen=True)

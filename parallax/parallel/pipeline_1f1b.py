@@ -1,20 +1,32 @@
-"""A one-forward-one-backward pipeline schedule inside one SPMD program.
+"""The table schedules inside one SPMD program: 1F1B, interleaved 1F1B and ZB-H1.
 
 GPipe differentiates the whole tick loop with `jax.grad`, so every tick's activations stay alive
 until the backward loop runs: memory grows with the microbatch count M. Here the pipeline returns
-(loss, gradients) itself and the outer `jax.grad` never sees the tick loop. Each tick, stage s
+(loss, gradients) itself and the outer `jax.grad` never sees the tick loop. One tick loop runs
+every table schedule: each tick, stage s reads its row of the schedule's `Table`
+(schedules.py: per (tick, stage) an F op, a B op, a W op or nothing, as (chunk, microbatch) and
+buffer slots) and
 
-  - runs the forward of microbatch i_f = t - s and keeps only its input, in a ring buffer of 2P
-    slots (a microbatch is in flight on stage s for 2(P-1-s)+1 ticks);
-  - on the last stage, runs the loss head on that output at once and starts its backward;
-  - runs the backward of microbatch i_b = t - 2(P-1) + s: `jax.vjp` of the stage recomputed from
-    the buffered input, applied to the cotangent received from stage s+1;
-  - sends activations forward and cotangents backward round the ring with `ppermute`.
+  - stores what arrived (last tick's activation from stage s-1, cotangent from stage s+1) in the
+    slot the table names: in the ZB-H1 order data may wait ticks before its op runs;
+  - F: runs chunk c of microbatch i on its input (stage 0's chunk 0: the embedding output) and
+    keeps only that input; after the last chunk on the last stage, runs the loss head at once and
+    stores its cotangent;
+  - B: `jax.vjp` of chunk c recomputed from the buffered input, applied to the buffered output
+    cotangent: input and weight gradients (1F1B, interleaved), or only the input gradient and the
+    FP8 state (ZB-H1's split backward);
+  - W (ZB-H1): `jax.vjp` of the chunk w.r.t. its weights from the same input and cotangent,
+    deferred to where the table puts it (the weight-gradient accumulation stays float32);
+  - sends its F's output forward and its B's input gradient backward round the ring with
+    `ppermute` (the last stage's output of chunk c reaches stage 0's chunk c+1).
 
-Live activation memory per stage is therefore about 2P stage inputs plus one stage's residuals,
-instead of M + P - 1 ticks of residuals. Idle halves of a tick are skipped with `lax.cond` (a real
-conditional per device), so with a backward costing twice a forward the time bubble is GPipe's,
-(P-1)/(M+P-1); the price is the recomputed forward in every backward (HFU > MFU).
+Live activation memory per stage is the table's buffers (1F1B at most 2P-1 stage inputs,
+interleaved vP+P-1 chunk inputs, ZB-H1 P+1 inputs and P cotangents) plus one chunk's residuals,
+instead of M + P - 1 ticks of residuals. Idle ops are skipped with `lax.cond` (a real conditional
+per device); ticks run in lockstep (each ends with the ring sends), so a tick lasts as long as its
+busiest stage (schedules.py states each table's tick model and bubble). The price is a recomputed
+forward in every backward (HFU > MFU), twice in ZB-H1 (B and W each recompute, and W's weight
+gradients need the input-gradient chain again): BUILD_NOTES.md has the compiled flops.
 
 What the other schedules take, this one takes too:
 - MoE blocks: the stage returns, beside its output, its share of the router losses (the balancing
@@ -40,7 +52,6 @@ nothing over `expert` for an expert's weight, whose gradient already holds every
 through the all-to-all's transpose). Scaling the share in, rather than averaging after, keeps
 every cotangent inside the loop the global loss's: FP8's gradient amaxes are one device's.
 
-Limits: one chunk per stage (no circular repeats); config validation says so.
 """
 
 from __future__ import annotations
@@ -76,30 +87,54 @@ def _spec_axes(spec: P) -> set[str]:
 
 
 def _gather(c: jax.Array, spec: P) -> jax.Array:
-    """A stage's weight [1, 1, Lc, ...] -> [Lc, ...], gathered over `data` where ZeRO-3 stores it
-    sharded (expert weights stay sharded over `expert`: each device runs its own experts)."""
-    c = c[0, 0]
+    """A stage's weight [v, 1, Lc, ...] -> [v, Lc, ...], gathered over `data` where ZeRO-3 stores
+    it sharded (expert weights stay sharded over `expert`: each device runs its own experts)."""
+    c = c[:, 0]
     for dim, entry in enumerate(spec):
         if DATA in entry_axes(entry) and dim >= 2:
-            c = jax.lax.all_gather(c, DATA, axis=dim - 2, tiled=True)
+            c = jax.lax.all_gather(c, DATA, axis=dim - 1, tiled=True)
     return c
 
 
 def _reduce(g: jax.Array, spec: P) -> jax.Array:
-    """The gradient of a gathered stage weight [Lc, ...] -> its stored shard [1, 1, Lc, ...]: the
-    sum over the batch axes it is replicated on (module docstring), reduce-scattered over `data`
-    under ZeRO-3."""
+    """The gradient of a gathered stage weight [v, Lc, ...] -> its stored shard [v, 1, Lc, ...]:
+    the sum over the batch axes it is replicated on (module docstring), reduce-scattered over
+    `data` under ZeRO-3."""
     stored = _spec_axes(spec)
     for dim, entry in enumerate(spec):
         if DATA in entry_axes(entry) and dim >= 2:
-            g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim - 2, tiled=True)
+            g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim - 1, tiled=True)
     replicated = tuple(a for a in BATCH_AXES if a not in stored)
     if replicated:
         g = jax.lax.psum(g, replicated)
-    return g[None, None]
+    return g[:, None]
 
 
-def make_1f1b_value_and_grad(
+def _at(tree: Any, c: jax.Array, v: int) -> Any:
+    """Chunk c of a stage's [v, ...] leaves (v = 1: the only one, no dynamic slice)."""
+    return jax.tree.map(lambda a: a[0] if v == 1 else jax.lax.dynamic_index_in_dim(a, c, keepdims=False), tree)
+
+
+def _add_at(tree: Any, c: jax.Array, update: Any, v: int, op: Callable = jnp.add) -> Any:
+    """tree[c] = op(tree[c], update) over [v, ...] leaves."""
+    def one(a: jax.Array, u: jax.Array) -> jax.Array:
+        if v == 1:
+            return op(a, u[None].astype(a.dtype))
+        cur = jax.lax.dynamic_index_in_dim(a, c, keepdims=True)
+        return jax.lax.dynamic_update_index_in_dim(a, op(cur, u[None].astype(a.dtype)), c, 0)
+
+    return jax.tree.map(one, tree, update)
+
+
+def _put(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(buf, x, slot, 0)
+
+
+def _get(buf: jax.Array, slot: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(buf, slot, keepdims=False)
+
+
+def make_scheduled_value_and_grad(
     model: Transformer,
     sched: Schedule,
     mesh: jax.sharding.Mesh,
@@ -107,10 +142,11 @@ def make_1f1b_value_and_grad(
     batch_shards: int,
 ) -> Callable[[Any, dict, Any], tuple[tuple[jax.Array, tuple[jax.Array, dict]], tuple[Any, Any]]]:
     """(params with stage-layout 'layers', batch, FP8 state or {}) -> ((loss, (cross-entropy, MoE
-    stats)), (gradients like params, new FP8 state)): train_step.make_value_and_grad's contract.
+    stats)), (gradients like params, new FP8 state)): train_step.make_value_and_grad's contract,
+    for a table schedule (1F1B, interleaved 1F1B, ZB-H1: `sched.table()`).
     `batch_shards`: Parallelism.batch_shards, the devices the batch is split over."""
-    p, m = sched.stages, sched.microbatches
-    slots = 2 * p
+    p, m, v = sched.stages, sched.microbatches, sched.repeats
+    tab = sched.table()
     manual = {PIPE, *BATCH_AXES}
     c = model.cfg
     units = sched.units or c.n_layers
@@ -118,7 +154,7 @@ def make_1f1b_value_and_grad(
     # shards is in the weights, so every cotangent (the E5M2 gradients' amaxes too) is the global
     # loss's, as on one device, and the reductions below are plain sums.
     share = 1.0 / (m * batch_shards)
-    # Router losses per stage: transformer.moe_loss's mean over MoE layers, microbatches and shards
+    # Router losses per chunk: transformer.moe_loss's mean over MoE layers, microbatches and shards
     moe_weights = {"aux_loss": c.moe.aux_loss_weight * share / units, "z_loss": c.moe.z_loss_weight * share / units}
     with_stats = stage_fn(model)
     head_model = model
@@ -139,21 +175,22 @@ def make_1f1b_value_and_grad(
         s = jax.lax.axis_index(PIPE)
         # Everything a gradient is taken of is marked varying over the batch axes up front, so no
         # implicit reduction lands inside the loop; gradients are reduced over them once, below.
-        chunk = jax.tree.map(lambda w, spec: vary(_gather(w, spec), BATCH_AXES), chunks, param_specs,
-                             is_leaf=lambda a: isinstance(a, P))
-        fp8_chunk = jax.tree.map(lambda f: f[0, 0], fp8_chunks) or None  # [1, 1, Lc, ...] -> [Lc, ...]
+        weights = jax.tree.map(lambda w, spec: vary(_gather(w, spec), BATCH_AXES), chunks, param_specs,
+                               is_leaf=lambda a: isinstance(a, P))  # [v, Lc, ...]
+        fp8_all = jax.tree.map(lambda f: f[:, 0], fp8_chunks) or None  # [v, 1, Lc, ...] -> [v, Lc, ...]
         head_fp8 = jax.tree.map(lambda f: vary(f, (PIPE,)), head_fp8)
-        mask = unit_mask(sched, s)  # uneven stages: this stage's padding slots pass through
 
-        def stage(chunk: Any, fp8: Any, x: jax.Array, docs: Any) -> tuple[tuple[jax.Array, jax.Array], dict]:
-            y, stats = with_stats(chunk, x, _as_meta(fp8), mask, docs=docs)  # fm32 inside, as fp8_variables
-            router = sum(w * jnp.sum(stats[k]) for k, w in moe_weights.items() if k in stats)
+        def stage(w: Any, fp8: Any, x: jax.Array, docs: Any, chunk: jax.Array) -> tuple[tuple[jax.Array, jax.Array], dict]:
+            mask = unit_mask(sched, s, chunk)  # uneven stages: this chunk's padding slots pass through
+            y, stats = with_stats(w, x, _as_meta(fp8), mask, docs=docs)  # fm32 inside, as fp8_variables
+            router = sum(wt * jnp.sum(stats[k]) for k, wt in moe_weights.items() if k in stats)
             return (y, vary(jnp.asarray(router, jnp.float32), (*BATCH_AXES, PIPE))), stats
 
         outer = jax.tree.map(lambda o: vary(o, (*BATCH_AXES, PIPE)), outer)
         micro_x, micro_t = vary(micro_x, (PIPE,)), vary(micro_t, (PIPE,))
         zeros_x = jnp.zeros_like(micro_x[0])
         varying = lambda a: vary(a, (*BATCH_AXES, PIPE))  # noqa: E731
+        ones = lambda: varying(jnp.ones((), jnp.float32))  # noqa: E731  (the router losses' cotangent)
 
         def docs_of(i):  # packed documents of microbatch i: (segment ids, positions) [b, T], loss mask
             if not micro_docs:
@@ -162,17 +199,21 @@ def make_1f1b_value_and_grad(
                             for k in ("segment_ids", "positions", "loss_mask"))
             return (seg, pos), lm
 
-        def tick(carry, t):
-            recv_f, recv_b, buf, g_chunk, g_outer, new_fp8, new_head_fp8, ce, router, acc, dx_all = carry
-            f_busy, i_f, b_busy, i_b = sched.one_f_one_b_work(t, s)
-            i_f, i_b = jnp.clip(i_f, 0, m - 1), jnp.clip(i_b, 0, m - 1)
+        def tick(carry, row):
+            recv_f, recv_b, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc, dx_all = carry
+            op = {k: a[s] for k, a in row.items()}  # this stage's row of the table
+            # what arrived goes to its slot (or the trash slot): in the interleaved and ZB-H1
+            # orders it may be consumed ticks later
+            act, cot = _put(act, recv_f, op["recv_f"]), _put(cot, recv_b, op["recv_b"])
+            # F: chunk c_f on microbatch i_f (it reads the FP8 state; the B's recomputation records it)
+            f_busy, c_f, i_f = op["f_busy"] == 1, op["f_chunk"], op["f_mb"]
             docs_f, mask_f = docs_of(i_f)
-            docs_b, _ = docs_of(i_b)
-            # forward (it reads the FP8 state; the backward's recomputation records it)
-            inp = jnp.where(s == 0, jax.lax.dynamic_index_in_dim(micro_x, i_f, keepdims=False), recv_f)
+            fresh = jax.lax.dynamic_index_in_dim(micro_x, i_f, keepdims=False)
+            inp = jnp.where((s == 0) & (c_f == 0), fresh, _get(act, op["f_act"]))
+            act = _put(act, inp, op["f_act"])  # kept for the B (and W) that recompute from it
 
             def forward(x):
-                (y, r), stats = stage(chunk, fp8_chunk, x, docs_f)
+                (y, r), stats = stage(_at(weights, c_f, v), _at(fp8_all, c_f, v), x, docs_f, c_f)
                 return y, r, {k: stats[k].astype(jnp.float32) for k in stat_shapes}
 
             def no_forward(x):
@@ -180,9 +221,8 @@ def make_1f1b_value_and_grad(
                         {k: varying(jnp.zeros(shape, jnp.float32)) for k, shape in stat_shapes.items()})
 
             out, r_value, stats = jax.lax.cond(f_busy, forward, no_forward, inp)
-            acc = {k: acc[k] + v for k, v in stats.items()}
-            buf = jnp.where(f_busy, jax.lax.dynamic_update_index_in_dim(buf, inp, i_f % slots, 0), buf)
-            # loss head on the last stage, straight into its backward
+            acc = _add_at(acc, c_f, stats, v)
+            # the loss head after the last chunk on the last stage, straight into its cotangent
             targets = jax.lax.dynamic_index_in_dim(micro_t, i_f, keepdims=False)
 
             def head(args):
@@ -199,67 +239,92 @@ def make_1f1b_value_and_grad(
                 return (varying(jnp.zeros((), jnp.float32)), jax.tree.map(jnp.zeros_like, outer),
                         _nothing_like(head_fp8), jnp.zeros_like(args[0]))
 
-            value, d_outer, d_head_fp8, dy = jax.lax.cond(f_busy & (s == p - 1), head, no_head, (out, targets))
-            # backward: recompute the stage from its buffered input, apply the received cotangent
-            cot = jnp.where(s == p - 1, dy, recv_b)
-            saved = jax.lax.dynamic_index_in_dim(buf, i_b % slots, keepdims=False)
+            is_head = f_busy & (s == p - 1) & (c_f == v - 1)
+            value, d_outer, d_head_fp8, dy = jax.lax.cond(is_head, head, no_head, (out, targets))
+            cot = _put(cot, dy, op["f_cot"])  # the trash slot unless this was the head
+            # B: recompute chunk c_b from its buffered input, apply the buffered output cotangent.
+            # Split (ZB-H1): the input gradient only (and the FP8 state); the weights' is W's.
+            b_busy, c_b, i_b = op["b_busy"] == 1, op["b_chunk"], op["b_mb"]
+            docs_b, _ = docs_of(i_b)
 
             def backward(args):
                 x, ct = args
-                _, vjp = jax.vjp(lambda w, f, h: stage(w, f, h, docs_b)[0], chunk, fp8_chunk, x)
-                d_chunk, d_fp8, dx = vjp((ct, varying(jnp.ones((), jnp.float32))))  # router losses: weight 1
-                return d_chunk, d_fp8, dx
+                w_b, f_b = _at(weights, c_b, v), _at(fp8_all, c_b, v)
+                if tab.split:
+                    _, vjp = jax.vjp(lambda f, h: stage(w_b, f, h, docs_b, c_b)[0], f_b, x)
+                    d_fp8, dx = vjp((ct, ones()))
+                    return jax.tree.map(jnp.zeros_like, w_b), d_fp8, dx
+                _, vjp = jax.vjp(lambda w, f, h: stage(w, f, h, docs_b, c_b)[0], w_b, f_b, x)
+                return vjp((ct, ones()))
 
             def no_backward(args):
-                return jax.tree.map(jnp.zeros_like, chunk), _nothing_like(fp8_chunk), jnp.zeros_like(args[0])
+                return (jax.tree.map(jnp.zeros_like, _at(weights, 0, v)), _nothing_like(_at(fp8_all, 0, v)),
+                        jnp.zeros_like(args[0]))
 
-            d_chunk, d_fp8, dx = jax.lax.cond(b_busy, backward, no_backward, (saved, cot))
-            # weight gradients accumulate in float32 whatever the compute dtype
-            g_chunk = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), g_chunk, d_chunk)
-            g_outer = jax.tree.map(jnp.add, g_outer, d_outer)
-            new_fp8 = jax.tree.map(jnp.maximum, new_fp8, d_fp8)
-            new_head_fp8 = jax.tree.map(jnp.maximum, new_head_fp8, d_head_fp8)
-            done = b_busy & (s == 0)
+            d_w, d_fp8, dx = jax.lax.cond(b_busy, backward, no_backward, (_get(act, op["b_act"]), _get(cot, op["b_cot"])))
+            if not tab.split:  # weight gradients accumulate in float32 whatever the compute dtype
+                g_w = _add_at(g_w, c_b, d_w, v)
+            new_fp8 = _add_at(new_fp8, c_b, d_fp8, v, jnp.maximum)
+            done = b_busy & (s == 0) & (c_b == 0)
             prev = jax.lax.dynamic_index_in_dim(dx_all, i_b, keepdims=False)
             dx_all = jax.lax.dynamic_update_index_in_dim(dx_all, jnp.where(done, dx, prev), i_b, 0)
+            if tab.split:  # W: the weight gradient, recomputed from the same input and cotangent
+                w_busy, c_w, i_w = op["w_busy"] == 1, op["w_chunk"], op["w_mb"]
+                docs_w, _ = docs_of(i_w)
+
+                def weight_grad(args):
+                    x, ct = args
+                    f_w = _at(fp8_all, c_w, v)
+                    _, vjp = jax.vjp(lambda w: stage(w, f_w, x, docs_w, c_w)[0], _at(weights, c_w, v))
+                    return vjp((ct, ones()))[0]
+
+                def no_weight_grad(args):
+                    return jax.tree.map(jnp.zeros_like, _at(weights, 0, v))
+
+                d_w = jax.lax.cond(w_busy, weight_grad, no_weight_grad, (_get(act, op["w_act"]), _get(cot, op["w_cot"])))
+                g_w = _add_at(g_w, c_w, d_w, v)
+            g_outer = jax.tree.map(jnp.add, g_outer, d_outer)
+            new_head_fp8 = jax.tree.map(jnp.maximum, new_head_fp8, d_head_fp8)
             sent_f = jax.lax.ppermute(out, PIPE, fwd_ring)
             sent_b = jax.lax.ppermute(dx, PIPE, bwd_ring)
-            return (sent_f, sent_b, buf, g_chunk, g_outer, new_fp8, new_head_fp8, ce + value, router + r_value,
+            return (sent_f, sent_b, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce + value, router + r_value,
                     acc, dx_all), None
 
         init = (
-            zeros_x, zeros_x, jnp.zeros((slots, *zeros_x.shape), zeros_x.dtype),
-            jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), chunk), jax.tree.map(jnp.zeros_like, outer),
+            zeros_x, zeros_x,
+            jnp.zeros((tab.act_slots + 1, *zeros_x.shape), zeros_x.dtype),  # + the trash slot
+            jnp.zeros((tab.cot_slots + 1, *zeros_x.shape), zeros_x.dtype),
+            jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights), jax.tree.map(jnp.zeros_like, outer),
             None, None, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-            {k: jnp.zeros(shape, jnp.float32) for k, shape in stat_shapes.items()}, jnp.zeros_like(micro_x),
+            {k: jnp.zeros((v, *shape), jnp.float32) for k, shape in stat_shapes.items()}, jnp.zeros_like(micro_x),
         )
         init = jax.tree.map(varying, init)  # loop carries vary everywhere
         # ... but the FP8 states vary as the state itself does: over `pipe` only (fp8.quantize's pmax)
-        init = (*init[:5], _nothing_like(fp8_chunk), _nothing_like(head_fp8), *init[7:])
-        carry, _ = jax.lax.scan(tick, init, jnp.arange(sched.ticks))
-        _, _, _, g_chunk, g_outer, new_fp8, new_head_fp8, ce, router, acc, dx_all = carry
-        g_chunk = jax.tree.map(_reduce, g_chunk, param_specs,
-                               is_leaf=lambda a: isinstance(a, P))
+        init = (*init[:6], _nothing_like(fp8_all), _nothing_like(head_fp8), *init[8:])
+        rows = {k: jnp.asarray(a) for k, a in tab.arrays.items()}  # [ticks, P] each
+        carry, _ = jax.lax.scan(tick, init, rows)
+        _, _, _, _, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc, dx_all = carry
+        g_w = jax.tree.map(_reduce, g_w, param_specs, is_leaf=lambda a: isinstance(a, P))
         # The embedding/head gradients: replicated weights, one all-reduce (only the last stage's
         # head and stage 0's embedding cotangent are non-zero over `pipe`).
         # (over the batch axes, then over `pipe`: one reduction over both would be one all-reduce
         # over every device, not the two small groups the cost model counts)
-        total = lambda v: jax.lax.psum(jax.lax.psum(v, BATCH_AXES), PIPE)  # noqa: E731
+        total = lambda x: jax.lax.psum(jax.lax.psum(x, BATCH_AXES), PIPE)  # noqa: E731
         g_outer = jax.tree.map(total, g_outer)
         ce = total(ce)  # only the last stage summed
         router = total(router)
         dx_all = jax.lax.psum(dx_all, PIPE)  # only stage 0 wrote
         # Per-token means average over microbatches and the (equal) batch shards; counts add.
-        acc = {k: (jax.lax.psum(v, BATCH_AXES) if k == "load" else jax.lax.pmean(v / m, BATCH_AXES))[None]
-               for k, v in acc.items()}  # [Lc, ...] -> [1 (this stage), Lc, ...]
-        new_fp8 = jax.tree.map(lambda f: f[None, None], new_fp8)
+        acc = {k: (jax.lax.psum(x, BATCH_AXES) if k == "load" else jax.lax.pmean(x / m, BATCH_AXES))[:, None]
+               for k, x in acc.items()}  # [v, Lc, ...] -> [v, 1 (this stage), Lc, ...]
+        new_fp8 = jax.tree.map(lambda f: f[:, None], new_fp8)
         new_head_fp8 = jax.tree.map(lambda f: jax.lax.pmax(f, PIPE), new_head_fp8)  # only the last stage's
-        return ce, router, acc, g_chunk, g_outer, new_fp8, new_head_fp8, dx_all
+        return ce, router, acc, g_w, g_outer, new_fp8, new_head_fp8, dx_all
 
     act = P(None, BATCH_AXES)
     stacked = P(None, PIPE)
     in_specs = (param_specs, P(), act, act, stacked, P(), act, P())
-    out_specs = (P(), P(), P(PIPE), param_specs, P(), stacked, P(), act)
+    out_specs = (P(), P(), stacked, param_specs, P(), stacked, P(), act)
     piped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)
 
     def value_and_grad(params: Any, batch: dict, fp8: Any = None):
@@ -283,7 +348,7 @@ def make_1f1b_value_and_grad(
             params["layers"], outer, micro_x, micro_t, stack_fp8, head_fp8, micro_docs, kept_total)
         (g_embed,) = embed_vjp(dx.swapaxes(0, 1).reshape(b, t, d))
         grads = jax.tree.map(jnp.add, g_head, g_embed)  # a tied table gets both contributions
-        stats = {k: v.reshape(-1, *v.shape[2:])[:sched.units or None] for k, v in stats.items()}  # layer-major
+        stats = {k: x.reshape(-1, *x.shape[3:])[:sched.units or None] for k, x in stats.items()}  # layer-major
         new_fp8 = dict(new_head_fp8)
         if "layers" in fp8:
             new_fp8["layers"] = to_layer_major(new_stack_fp8, sched.units)

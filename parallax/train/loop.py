@@ -306,6 +306,7 @@ class StepRecord:
 
     def __init__(self, cfg: Config, built):
         from parallax.train.metrics import NoiseScale, peak_flops
+        from parallax.schedules import COMPILED_COSTS
         from parallax.model.transformer import flops_per_token
 
         t = cfg.train
@@ -318,6 +319,11 @@ class StepRecord:
         self.n_dev = built.n_devices
         self.schedule = built.schedule
         self.bubble = self.schedule.bubble_fraction if self.schedule is not None else None
+        self.ticks = self.schedule.ticks if self.schedule is not None else None
+        # table schedules: the same table with its ticks in lockstep under the compiled op costs
+        # (schedules.COMPILED_COSTS: ZB-H1's B and W each recompute the stage)
+        self.bubble_compiled = (self.schedule.bubble_fraction_at(COMPILED_COSTS[self.schedule.name])
+                                if self.schedule is not None and self.schedule.own_gradients else None)
         # Gradient noise scale: per-shard (B / batch shards sequences) and global-batch gradient
         # norms, EMA-smoothed here; restarts on resume (the EMA is not checkpointed).
         self.noise = NoiseScale() if t.noise_scale else None
@@ -337,8 +343,10 @@ class StepRecord:
             "grad_norm": metrics["grad_norm"],
         }
         if self.schedule is not None:  # counted from the schedule's own table, every step
-            record["pipeline_ticks"] = self.schedule.ticks
+            record["pipeline_ticks"] = self.ticks
             record["bubble_fraction"] = self.bubble
+            if self.bubble_compiled is not None:
+                record["bubble_fraction_compiled_costs"] = self.bubble_compiled
         if self.fp8:  # MFU against the FP8 peak as well, and FP8 numerics per tensor kind
             record["mfu_fp8"] = mfu(self.flops_per_step, dt, self.n_dev, self.peak_fp8)
             # the saturation/flush fractions are NaN on a step that did not compute them (config.logs_at)

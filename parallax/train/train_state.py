@@ -8,6 +8,8 @@ the mesh (JAX's partitionable threefry), so any two layouts start from the same 
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,7 +26,7 @@ from parallax.parallel.fused_attention import make_attend
 from parallax.model.fp8 import FP8_COLLECTION, transformer_dot_generals
 from parallax.model.transformer import Transformer
 from parallax.train.optim import make_optimizer, muon_shardings
-from parallax.parallel.pipeline_1f1b import make_1f1b_value_and_grad
+from parallax.parallel.pipeline_1f1b import make_scheduled_value_and_grad
 from parallax.parallelism import Parallelism, Schedule
 from parallax.parallel.pipeline import make_pipelined_apply, stage_specs, to_stages
 from parallax.parallel.sharding import (Rules, compute_rules, logical_context, logical_shardings, make_rules, optimizer_rules,
@@ -125,9 +127,12 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
         logical_specs = {**logical_specs, "layers": stage_specs(logical_specs["layers"])}
         param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
         layer_specs = jax.tree.map(lambda s: s.spec, param_shardings["layers"])
-        apply = make_pipelined_apply(model, schedule, mesh, layer_specs)
-        if schedule.name == "1f1b":  # the forward-only `apply` (evaluation) runs it as GPipe
-            value_and_grad = make_1f1b_value_and_grad(model, schedule, mesh, layer_specs, par.batch_shards)
+        forward_only = schedule
+        if schedule.own_gradients:  # a table schedule; the forward-only `apply` (evaluation) runs
+            # its forward order: GPipe, or circular for interleaved chunks (the same stage layout)
+            value_and_grad = make_scheduled_value_and_grad(model, schedule, mesh, layer_specs, par.batch_shards)
+            forward_only = dataclasses.replace(schedule, name="circular" if schedule.repeats > 1 else "gpipe")
+        apply = make_pipelined_apply(model, forward_only, mesh, layer_specs)
     else:
         def apply(params: Any, tokens: jax.Array, targets: jax.Array, fp8: Any = None,
                   **docs: jax.Array) -> tuple[jax.Array, dict]:  # docs: packed documents (data.DOC_KEYS)
