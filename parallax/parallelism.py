@@ -62,6 +62,40 @@ LAYOUT_FIELDS = ("data", "tensor", "pipe", "expert", "zero", "microbatches", "sc
 
 
 # ----------------------------------------------------------------------------------------------
+# The attention kernel a config runs on a platform
+
+
+def attention_limit(kernel: str, cfg: Config) -> str | None:
+    """The one line saying why `kernel` cannot take `cfg`'s shapes (naming the limit), or None."""
+    m, t = cfg.model, cfg.train.seq_len
+    h = m.d_model // max(m.n_heads, 1)
+    if kernel == "splash" and t % SPLASH_MIN_BLOCK:
+        return (f"model.attention='splash': train.seq_len={t} must be a multiple of {SPLASH_MIN_BLOCK} (the "
+                f"kernel's query and key blocks are multiples of the TPU's {SPLASH_MIN_BLOCK} lanes)")
+    if kernel == "cudnn" and m.dtype != "bfloat16":
+        return (f"model.attention='cudnn': model.dtype={m.dtype!r}, but cuDNN flash attention takes bfloat16 "
+                "inputs only; use model.dtype=bfloat16 or model.attention=xla")
+    if kernel == "cudnn" and (h % CUDNN_HEAD_DIM_MULTIPLE or h > CUDNN_MAX_HEAD_DIM):
+        return (f"model.attention='cudnn': head dim model.d_model / model.n_heads = {h}, but cuDNN flash attention "
+                f"needs a multiple of {CUDNN_HEAD_DIM_MULTIPLE} and at most {CUDNN_MAX_HEAD_DIM}")
+    if kernel in KERNEL_PLATFORM and chunk_length(cfg.parallel.attention_chunk, t) < t:
+        return (f"parallel.attention_chunk={cfg.parallel.attention_chunk} splits XLA's attention into query blocks; "
+                f"model.attention={kernel!r} never holds the [T, T] scores: set parallel.attention_chunk=0")
+    return None
+
+
+def attention_kernel(cfg: Config, platform: str) -> str:
+    """The kernel the model's attention runs on `platform` ('cpu', 'gpu', 'tpu'; 'accelerator':
+    unnamed): model.attention when forced; `auto`: the platform's fused kernel when the config's
+    shapes fit it (attention_limit; an attention_chunk asks for XLA's blocks), else XLA."""
+    asked = cfg.model.attention
+    if asked != "auto":
+        return asked
+    kernel = {"gpu": "cudnn", "tpu": "splash"}.get(platform, "xla")
+    return kernel if kernel == "xla" or attention_limit(kernel, cfg) is None else "xla"
+
+
+# ----------------------------------------------------------------------------------------------
 # The rules
 
 

@@ -38,7 +38,11 @@ BASE = Config(
     train=TrainConfig(global_batch=8, seq_len=16, lr=1e-2, seed=3),
 )
 DENSE3 = BASE.model  # 3 layers: uneven on 2 stages (one identity slot) and on 2 x 2 chunks
-MOE4 = dataclasses.replace(BASE.model, n_layers=4, moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.0))
+# Dropless: with capacity 1.0, which tokens an expert drops hangs on near-equal router probabilities,
+# and the reduction order of another CPU flipped one (this machine, 2026-12-02: layer 0's gradient
+# amax 0.5% off one device's, on main as it stood, where CI's machine had passed); the FP8 state
+# threading under test does not depend on drops.
+MOE4 = dataclasses.replace(BASE.model, n_layers=4, moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=0.0))
 LAYOUTS = {
     "gpipe_uneven_d2_t2_p2": (DENSE3, MeshConfig(data=2, tensor=2, pipe=2), ParallelConfig(microbatches=2)),
     "circular_uneven_d2_t2_p2_r2": (DENSE3, MeshConfig(data=2, tensor=2, pipe=2),
@@ -56,7 +60,9 @@ LAYOUTS = {
                                  ParallelConfig(microbatches=2, schedule="zb_h1", zero=3)),
 }
 OWN_GRADIENTS = ("1f1b", "interleaved_1f1b", "zb_h1")
-LOSS_RTOL, STATE_RTOL = 1e-6, 1e-5
+# (float32 losses of a 4-layer MoE summed in other orders over expert and data shards: measured up to
+# 1.26e-6 relative, GPipe MoE `current`, 2026-12-02)
+LOSS_RTOL, STATE_RTOL = 2e-6, 1e-5
 # `current` per microbatch against one whole-batch scale: FP8 rounding of different scales
 CURRENT_VS_WHOLE_BATCH_LOSS_RTOL = 1e-3
 REFERENCE = {  # recipe -> the one-device run it must equal
