@@ -51,9 +51,10 @@ KERNEL_NAMES = {"cudnn": "cuDNN flash attention", "splash": "the Pallas splash k
 # Splash's query and key blocks are multiples of the TPU's 128 lanes, and T a multiple of a block.
 SPLASH_MIN_BLOCK = 128
 # cuDNN flash attention (jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention): a
-# head dim that is a multiple of 8 and at most 256 on Hopper and later (every GPU target here:
-# h100, h200, b200; 128 before Hopper); bfloat16 or float16 inputs only.
-CUDNN_HEAD_DIM_MULTIPLE, CUDNN_MAX_HEAD_DIM = 8, 256
+# head dim that is a multiple of 8 and at most 128; bfloat16 or float16 inputs only. (jax allows
+# 256 when the *local* GPU is Hopper or later, which a compile-only target on a machine with no
+# GPU never is: 160 failed to compile for h100-16384 here, 2026-12-02. 128 holds everywhere.)
+CUDNN_HEAD_DIM_MULTIPLE, CUDNN_MAX_HEAD_DIM = 8, 128
 NONE, FULL, DOTS, SAVE_ATTN_MLP, SAVE_ATTN_MLP_OFFLOAD = range(5)
 # The layout fields a grid varies (cost.Grid has the same names): mesh sizes, then the parallel
 # settings as integers (schedule, remat and grad_reduce as indices into the tuples above).

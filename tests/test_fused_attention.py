@@ -246,7 +246,7 @@ def test_h100_8_step_runs_cudnn_forward_and_backward(cuda_plugin, cfg, calls):
     ("v5e-8", ["model.attention=splash"], ["model.attention='splash'", "train.seq_len=64", "multiple of 128"]),
     ("h100-8", ["model.attention=cudnn", "model.dtype=float32"], ["model.attention='cudnn'", "float32", "bfloat16"]),
     ("h100-8", ["model.attention=cudnn", "model.d_model=120", "model.n_heads=4"],
-     ["model.attention='cudnn'", "= 30", "multiple of 8", "at most 256"]),
+     ["model.attention='cudnn'", "= 30", "multiple of 8", "at most 128"]),
     ("h100-8", ["model.attention=cudnn", "parallel.attention_chunk=32"],
      ["parallel.attention_chunk=32", "model.attention='cudnn'", "attention_chunk=0"]),
 ], ids=["cudnn-on-tpu", "splash-on-gpu", "splash-seq-len", "cudnn-float32", "cudnn-head-dim", "cudnn-chunk"])
