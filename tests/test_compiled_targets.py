@@ -163,9 +163,8 @@ def test_sequence_parallelism_is_reduce_scatter_and_all_gather(target):
     assert _rows(a, ("tensor",), "reduce-scatter") and _rows(a, ("tensor",), "all-gather")
     big = [r for r in _rows(a, ("tensor",), "all-reduce") if r["bytes"] > 4096]
     assert not big, big
-    dense = sum(r["bytes"] for r in _rows(_audit(target, "dense"), ("tensor",), "all-reduce"))
-    sp = sum(r["bytes"] for kind in ("reduce-scatter", "all-gather") for r in _rows(a, ("tensor",), kind))
-    assert sp > 0 and dense > 0
+    # ... where the same layout without it all-reduces activations over `tensor`
+    assert [r for r in _rows(_audit(target, "dense"), ("tensor",), "all-reduce") if r["bytes"] > 4096]
 
 
 def test_placements_read_start_done_pairs_and_tpu_async_fusions():

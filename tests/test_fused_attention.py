@@ -20,7 +20,6 @@ the packed form with sequence parallelism). None holds a per-head [T, T] buffer.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 
@@ -250,11 +249,9 @@ def test_h100_8_step_runs_cudnn_forward_and_backward(cuda_plugin, cfg, calls):
     ("h100-8", ["model.attention=cudnn", "parallel.attention_chunk=32"],
      ["parallel.attention_chunk=32", "model.attention='cudnn'", "attention_chunk=0"]),
 ], ids=["cudnn-on-tpu", "splash-on-gpu", "splash-seq-len", "cudnn-float32", "cudnn-head-dim", "cudnn-chunk"])
-def test_kernel_the_target_cannot_run_is_refused(capsys, experiment, target_, sets, words):
-    platform_fixture = "libtpu" if target_.startswith("v5e") else "cuda_plugin"
-    if (platform_fixture == "libtpu" and importlib.util.find_spec("libtpu") is None) or (
-            platform_fixture == "cuda_plugin" and importlib.util.find_spec("jax_cuda12_plugin") is None):
-        pytest.skip(f"{target_}: its compiler is not installed")
+def test_kernel_the_target_cannot_run_is_refused(request, capsys, experiment, target_, sets, words):
+    # the target's compiler must be there: test_targets' fixtures fail under CI, skip elsewhere
+    request.getfixturevalue("libtpu" if target_.startswith("v5e") else "cuda_plugin")
     _refused(capsys, ["audit", experiment, "--target", target_, *[a for s in sets for a in ("--set", s)]], *words)
 
 
