@@ -26,7 +26,7 @@ import pytest
 from parallax.analysis.audit import FAST_COMPILE, audit, compile_step
 
 from parallax.analysis.gemms import matmuls
-from parallax.analysis.hlo import collectives, conv_macs, while_loops
+from parallax.analysis.hlo import collectives, conv_macs, kernel_bytes, while_loops
 from parallax.cli import main
 from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
 from parallax.parallel import targets
@@ -479,3 +479,40 @@ def test_gpu_target_without_the_plugin_or_ptxas_names_the_install(capsys, experi
     if importlib.util.find_spec("jax_cuda12_plugin") is not None:  # the plugin, but no ptxas
         monkeypatch.setattr(targets, "_ptxas_found", lambda: False)
         _refused(capsys, ["audit", experiment, "--target", "h100-8"], "h100-8", "ptxas", "nvidia-cuda-nvcc-cu12")
+
+
+_KERNELS = """HloModule k
+
+%fused (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%a)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %f)
+}
+
+%cond (q: (s32[], f32[8])) -> pred[] {
+  %q = (s32[], f32[8]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %c0 = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%c0, %a)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %y = f32[8]{0} get-tuple-element(%w), index=1
+  ROOT %z = f32[8]{0} copy(%y)
+}
+"""
+
+
+def test_kernel_bytes_count_each_kernel_per_loop_trip_and_nothing_inside_a_fusion():
+    """The fusion reads and writes f32[8] (64 bytes) on each of 3 trips, the copy 64 once; the
+    negate inside the fusion, views, tuples and the loop itself move nothing of their own."""
+    assert kernel_bytes(_KERNELS) == {"total": 3 * 64 + 64, "conditional": 0.0}

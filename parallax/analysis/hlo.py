@@ -467,6 +467,44 @@ def dot_flops(hlo: str) -> dict[str, float]:
             "uncounted_convolutions": uncounted}
 
 
+_KERNEL = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([a-z][\w\-]*)\((.*)$")
+# Instructions that move no data of their own: views, tuples, control flow (their bodies count)
+_NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+                "opt-barrier", "partition-id", "replica-id", "after-all", "add-dependency"}
+
+
+def kernel_bytes(hlo: str) -> dict[str, float]:
+    """Bytes one device's kernels read and write per step, counted from the HLO with loop trips:
+    every instruction outside fusion bodies and reducers (each fusion, custom call, collective,
+    copy: one kernel) reads its operands and writes its result; an async pair counts at its start.
+    XLA's cost analysis ("bytes accessed") does the same per kernel but counts a loop body once,
+    and a compile-only GPU target gives none. `conditional`: the part inside conditional branches
+    (on every trip: an upper bound)."""
+    comps = _split_computations(hlo)
+    runs, branched = _executions(comps)
+    fused = {callee for lines in comps.values() for line in lines for attr, targets in _CALLS.findall(line)
+             if attr in ("calls", "to_apply") and " fusion(" in line or attr == "to_apply"
+             for callee in re.findall(r"%([^,\s}]+)", targets)}
+    total = conditional = 0.0
+    for comp, lines in comps.items():
+        if comp in fused or comp not in runs:
+            continue
+        types = {}
+        for line in lines:
+            m = _KERNEL.match(line)
+            if not m:
+                continue
+            name, typ, op, rest = m.groups()
+            types[name] = typ
+            if op in _NOT_KERNELS or op.endswith("-done"):
+                continue
+            # (an async -start's tuple result holds its operand too: counted twice, a small excess)
+            moved = _shape_bytes(typ) + sum(_shape_bytes(types.get(o, "")) for o in _operands(rest))
+            total += moved * runs[comp]
+            conditional += moved * runs[comp] if comp in branched else 0.0
+    return {"total": total, "conditional": conditional}
+
+
 _CUDNN_FMHA = re.compile(r'custom_call_target="(__cudnn\$fmha\w*)"')
 _CUSTOM_NAME = re.compile(r"^\s*(?:ROOT )?%([A-Za-z_][\w\-]*?)(?:\.\d+)* = ")
 ATTENTION_KERNEL_NAMES = {"cudnn": "cuDNN flash attention (__cudnn$fmha* custom calls)",

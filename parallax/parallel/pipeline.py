@@ -62,6 +62,17 @@ def to_stages(layers: Any, schedule: Schedule, fill: Callable[[str], float] | No
     return jax.tree_util.tree_map_with_path(reshape, layers)
 
 
+def stack_state_spec(schedule: Schedule | None) -> P:
+    """How a layer-major [L, ...] stack state that is not a parameter (the FP8 state) is stored so
+    that `to_stages` moves nothing: stage s's own block of L/P layers on stage s, when that block
+    is its whole stack (one chunk per stage, no padding). Circular and interleaved schedules give
+    stage s R separate blocks, and padding shifts them: replicated there (the pipeline then
+    gathers each leaf once per step, as it did everywhere before)."""
+    if schedule is None or schedule.stages <= 1 or schedule.repeats != 1 or schedule.padding:
+        return P()
+    return P(PIPE)
+
+
 def to_layer_major(layers: Any, units: int = 0) -> Any:
     """[R, P, Lc, ...] -> [L, ...]: the inverse of `to_stages` (dropping the padding slots when
     `units` says how many are real), for checkpoints."""

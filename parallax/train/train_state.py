@@ -28,7 +28,7 @@ from parallax.model.transformer import Transformer
 from parallax.train.optim import make_optimizer, muon_shardings
 from parallax.parallel.pipeline_1f1b import make_scheduled_value_and_grad
 from parallax.parallelism import Parallelism, Schedule
-from parallax.parallel.pipeline import make_pipelined_apply, stage_specs, to_stages
+from parallax.parallel.pipeline import make_pipelined_apply, stack_state_spec, stage_specs, to_stages
 from parallax.parallel.sharding import (Rules, compute_rules, logical_context, logical_shardings, make_rules, optimizer_rules,
                                param_placer)
 
@@ -156,7 +156,9 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, (NamedSharding, optax.MaskedNode)),
     )
-    fp8_shardings = jax.tree.map(lambda _: replicated, fp8)
+    # FP8 state: replicated, but the pipelined stack's on its stages where that is a plain reshape
+    stacked = NamedSharding(mesh, stack_state_spec(schedule))
+    fp8_shardings = {k: jax.tree.map(lambda _, s=stacked if k == "layers" else replicated: s, v) for k, v in fp8.items()}
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, fp8=fp8_shardings)
     return Layout(model, tx, mesh, rules, logical_specs, abstract, shardings, schedule, apply, value_and_grad,
                   parallelism=par)
