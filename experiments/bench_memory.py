@@ -19,7 +19,8 @@ warm-up, and the loss of every step from the same initial state and batches (the
 11008, vocab 32000, bf16 compute, remat full, ZeRO-3 over all devices, 4 x 4096 tokens per
 device) compiled for a named compile-only target (parallel/targets.py): "compiled for TARGET,
 not run". Each compile takes minutes on a 2-core CPU; `--tokens-per-device` changes the 4 x 4096,
-`--attention-chunk` sets parallel.attention_chunk (query blocks of XLA's attention).
+`--attention-chunk` sets parallel.attention_chunk (query blocks of XLA's attention), `--attention`
+model.attention (default xla, the attention of the rows recorded before the fused kernels).
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def quickstart(steps: int) -> int:
     return 0
 
 
-def llama7b(target: str, tokens_per_device: int, attention_chunk: int = 0, seq: int = 4096) -> Config:
+def llama7b(target: str, tokens_per_device: int, attention_chunk: int = 0, seq: int = 4096,
+            attention: str = "xla") -> Config:
     from parallax.parallel.targets import target as lookup
 
     t = lookup(target)
@@ -121,26 +123,31 @@ def llama7b(target: str, tokens_per_device: int, attention_chunk: int = 0, seq: 
         name="llama2_7b",
         mesh=MeshConfig(data=t.devices),
         model=ModelConfig(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, d_ff=11008, vocab_size=32000,
-                          dtype="bfloat16"),
+                          dtype="bfloat16", attention=attention),
         parallel=ParallelConfig(zero=3, remat="full", attention_chunk=attention_chunk),
         train=TrainConfig(global_batch=t.devices * tokens_per_device // seq, seq_len=seq),
     )
 
 
-def compiled_for(target: str, tokens_per_device: int, attention_chunk: int, seq: int) -> int:
-    from parallax.parallel.targets import target_devices
+def compiled_for(target: str, tokens_per_device: int, attention_chunk: int, seq: int, attention: str = "xla") -> int:
+    from parallax.analysis.hlo import attention_kernels
+    from parallax.parallel.targets import target as lookup, target_devices
+    from parallax.parallelism import attention_kernel
 
-    cfg = llama7b(target, tokens_per_device, attention_chunk, seq)
+    cfg = llama7b(target, tokens_per_device, attention_chunk, seq, attention)
     print(f"  Llama-2-7B shape, {tokens_per_device} tokens per device in sequences of {seq}, "
-          f"parallel.attention_chunk={attention_chunk}",
+          f"model.attention={attention}, parallel.attention_chunk={attention_chunk}",
           flush=True)
     devices = target_devices(target)
     for name, cls in VARIANTS.items():
         started = time.perf_counter()
-        built = build(cfg, devices, model=make_model(cfg, cls))
+        # the attention kernel the target runs (make_model's default is XLA's)
+        model = make_model(cfg, cls, attention=attention_kernel(cfg, lookup(target).platform))
+        built = build(cfg, devices, model=model)
         compiled = built.train_step().lower(built.abstract_state(), built.abstract_batch()).compile()
+        kernel = attention_kernels(compiled.as_text())["kernel"]
         m = memory(compiled)
-        print(f"  {name:8s} compiled for {target}, not run: args {m['args'] / GIB:.2f} GiB, temp "
+        print(f"  {name:8s} compiled for {target}, not run, attention {kernel}: args {m['args'] / GIB:.2f} GiB, temp "
               f"{m['temp'] / GIB:.2f} GiB, peak {peak(m) / GIB:.2f} GiB per device "
               f"({time.perf_counter() - started:.0f} s to compile)", flush=True)
     return 0
@@ -154,12 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=tuple(VARIANTS), help="--llama7b: compile one variant only")
     ap.add_argument("--attention-chunk", type=int, default=0, help="--llama7b: parallel.attention_chunk (default 0)")
     ap.add_argument("--seq-len", type=int, default=4096, help="--llama7b: train.seq_len (default 4096)")
+    ap.add_argument("--attention", default="xla", choices=("xla", "auto", "splash", "cudnn"),
+                    help="--llama7b: model.attention (default xla: the rows recorded before fused attention)")
     args = ap.parse_args(argv)
     if args.only:
         VARIANTS.pop(next(k for k in VARIANTS if k != args.only))
     print(f"bench_memory: {datetime.datetime.now().isoformat(timespec='seconds')}, jax {jax.__version__}", flush=True)
     if args.llama7b:
-        return compiled_for(args.llama7b, args.tokens_per_device, args.attention_chunk, args.seq_len)
+        return compiled_for(args.llama7b, args.tokens_per_device, args.attention_chunk, args.seq_len, args.attention)
     print(f"  quickstart on {len(jax.devices())} {jax.devices()[0].platform} devices", flush=True)
     return quickstart(args.steps)
 

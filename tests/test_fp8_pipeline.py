@@ -147,3 +147,27 @@ def test_current_recipe_records_the_whole_batch_amax(name):
         np.testing.assert_allclose(qkv(first)[key][0], qkv(ref_first)[key][0], rtol=STATE_RTOL, err_msg=key)
     assert float(qkv(first)["input_scale"][0, 0]) < 0.5  # this step's amax, not the initial 1
     np.testing.assert_allclose(losses[0], ref_losses[0], rtol=CURRENT_VS_WHOLE_BATCH_LOSS_RTOL)
+
+
+def test_the_stack_fp8_state_is_stored_on_its_stages_and_the_step_gathers_none_of_it():
+    """One chunk per stage and no padding: the stack's FP8 state is stored over `pipe`
+    (pipeline.stack_state_spec), so to_stages is a reshape and the compiled FP8 step holds no
+    all-gather and no all-to-all (replicated, the tiny model of experiments/fp8_cost.py compiled to
+    48 all-gathers and 15 all-to-alls per step: the state into its stages, and fp8_metrics joining
+    the leaves along the layers). A padded stack (3 layers on 2 stages) stays replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    from parallax.analysis.audit import compile_step
+    from parallax.analysis.hlo import collectives
+
+    even = dataclasses.replace(BASE, model=dataclasses.replace(DENSE3, n_layers=4),
+                               mesh=MeshConfig(data=2, tensor=2, pipe=2), parallel=ParallelConfig(microbatches=2))
+    for cfg, spec in ((even, P("pipe")), (dataclasses.replace(even, model=DENSE3), P())):
+        layout = make_layout(cfg, make_mesh(cfg.mesh, available_devices(8)))
+        specs = {s.spec for s in jax.tree.leaves(layout.state_shardings.fp8["layers"])}
+        assert specs == {spec}, (cfg.model.n_layers, specs)
+        assert {s.spec for s in jax.tree.leaves(layout.state_shardings.fp8["logits"])} == {P()}
+    step = compile_step(even)
+    kinds = [c.kind for c in collectives(step.hlo, step.mesh_shape)]
+    assert "all-reduce" in kinds and kinds.count("collective-permute") > 0  # the audit reads this program
+    assert "all-gather" not in kinds and "all-to-all" not in kinds, sorted(set(kinds))
