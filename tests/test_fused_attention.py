@@ -298,3 +298,21 @@ def test_plan_counts_the_attention_the_target_runs(capsys):
     assert plan("--target", "h100-64", "--set", "model.attention=xla") == plan("--target", "h100-64", "--attention",
                                                                                  "xla")
     assert plan("--target", "h100-64") != plan("--target", "h100-64", "--attention", "xla")
+
+
+def test_cost_model_counts_cudnns_packed_document_mask(cuda_plugin):
+    """Packed documents go into cuDNN as a same-document mask [b, 1, T, T] (model/kernels.py): a
+    bool and the bias in the compute dtype, once for all layers. At 2 rows x T 2,048 per device
+    that is 24 MiB, most of this layout's memory: the compiled peak grows by it (25.5 MiB measured,
+    2026-12-02) and the model's `document_mask` says so; unpacked, the model counts none."""
+    cfg = Config(name="packed_mask", mesh=MeshConfig(data=8),
+                 model=ModelConfig(d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=512, vocab_size=1024,
+                                   dtype="bfloat16"),
+                 parallel=ParallelConfig(remat="full"), train=TrainConfig(global_batch=16, seq_len=2048))
+    plain, packed = (audit(dataclasses.replace(cfg, data=DataConfig(eod_id=e)), target="h100-8")["memory"]
+                     for e in (-1, 0))
+    assert plain["model"]["document_mask"] == 0
+    term = packed["model"]["document_mask"]
+    assert term == 3 * 2 * 2048 * 2048  # (bf16 + bool) x rows x T x T
+    grew = packed["xla"]["peak"] - plain["xla"]["peak"]
+    assert grew == pytest.approx(term, rel=0.15), (grew, term)

@@ -227,7 +227,7 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
     # The attention the compiled program runs (its custom calls), which the cost model then counts:
     # a fused kernel keeps no [B, N, T, T] scores and skips the causal half.
     kernels = attention_kernels(step.hlo)
-    attention = "xla" if kernels["kernel"] == "xla" else "fused"
+    attention = kernels["kernel"]  # 'xla', or the fused kernel by name ('cudnn' keeps a packed-document mask)
     parts = {k: float(v) for k, v in memory_parts(w, g, platform, attention=attention).items()}
     n = math.prod(step.mesh_shape.values())
     hw = {k: float(v) for k, v in hardware_flops_per_device(w, g, attention=attention).items()}

@@ -511,7 +511,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
         platform = "tpu" if dev.name.startswith("TPU") else "gpu"
         kernel = attention_kernel(cfg, platform)
-        args.attention = "xla" if kernel == "xla" else "fused"
+        args.attention = kernel  # the cost model reads 'cudnn' and 'splash' as fused kernels
         notes.append(f"attention: {kernel} (model.attention={cfg.model.attention!r} on {dev.name}), planned as "
                      f"{'XLA with materialised scores' if kernel == 'xla' else 'a fused kernel (no [B, N, T, T])'}")
     if args.noise_scale is not None and args.noise_scale_from is not None:
