@@ -3,8 +3,8 @@
 What one FP8 dot does. Inputs and weights are cast to E4M3 in the forward pass, the output
 gradient to E5M2 in the backward pass, each as q = cast(clip(x / s, -max, max)) with a per-tensor
 scale s; the matmuls take the FP8 operands, accumulate in float32 and emit the compute dtype
-(the weight gradient: float32), and the product is multiplied back by s_a * s_b. Master weights stay float32 in the optimizer:
-only the copy entering the matmul is quantised.
+(the weight gradient: float32), and the product is multiplied back by s_a * s_b. Master weights
+stay float32 in the optimizer: only the copy entering the matmul is quantised.
 
 Scales. `delayed` (default, as Flax/Praxis/MaxText/Transformer Engine): s_t = amax * 2^margin /
 max_representable, where amax is the max of the amax history *before* step t; this step's amax

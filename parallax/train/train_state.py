@@ -158,7 +158,7 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
     )
     # FP8 state: replicated, but the pipelined stack's on its stages where that is a plain reshape
     stacked = NamedSharding(mesh, stack_state_spec(schedule))
-    fp8_shardings = {k: jax.tree.map(lambda _, s=stacked if k == "layers" else replicated: s, v) for k, v in fp8.items()}
+    fp8_shardings = {k: jax.tree.map(lambda _: stacked if k == "layers" else replicated, v) for k, v in fp8.items()}
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, fp8=fp8_shardings)
     return Layout(model, tx, mesh, rules, logical_specs, abstract, shardings, schedule, apply, value_and_grad,
                   parallelism=par)
