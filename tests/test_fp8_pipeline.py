@@ -171,3 +171,54 @@ def test_the_stack_fp8_state_is_stored_on_its_stages_and_the_step_gathers_none_o
     kinds = [c.kind for c in collectives(step.hlo, step.mesh_shape)]
     assert "all-reduce" in kinds and kinds.count("collective-permute") > 0  # the audit reads this program
     assert "all-gather" not in kinds and "all-to-all" not in kinds, sorted(set(kinds))
+
+
+def _e4m3_casts(jaxpr, loops=0, out=None):
+    """(loop depth, shape) of every cast to E4M3 in a jaxpr and the jaxprs inside it."""
+    import jax.numpy as jnp
+    from jax.extend import core
+
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == jnp.float8_e4m3fn:
+            out.append((loops, tuple(eqn.outvars[0].aval.shape)))
+        inner = loops + (eqn.primitive.name in ("scan", "while"))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, core.ClosedJaxpr):
+                    _e4m3_casts(sub.jaxpr, inner, out)
+                elif isinstance(sub, core.Jaxpr):
+                    _e4m3_casts(sub, inner, out)
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpipe_uneven_d2_t2_p2", "circular_uneven_d2_t2_p2_r2", "gpipe_moe_d2_p2_e2"])
+def test_a_stage_quantises_each_weight_once_per_step_outside_its_tick_loop(name, monkeypatch):
+    """fp8.quantize_weights: the stage's weights are cast to E4M3 once per step, before the tick
+    loop, one stacked cast per weight [R, Lc, ...]; every FP8 dot inside the stage takes the
+    QuantizedWeight (before, every tick and every remat recomputation quantised every weight
+    again: BUILD_NOTES.md, "FP8's cost"). Only the head's dot (fp8.logits, outside the pipeline,
+    its weight has the vocabulary's 256 in its shape) still quantises its master weight."""
+    from parallax.model import fp8
+    from parallax.model.layers import QuantizedWeight
+
+    model, mesh_cfg, parallel = LAYOUTS[name]
+    cfg = dataclasses.replace(BASE, model=model, mesh=mesh_cfg, parallel=dataclasses.replace(parallel, remat="full"))
+    mesh = make_mesh(cfg.mesh, available_devices(8))
+    layout = make_layout(cfg, mesh)
+    state = jax.eval_shape(lambda: init_state(cfg, layout))
+    batch = {k: jax.ShapeDtypeStruct((8, 16), np.int32) for k in ("inputs", "targets")}
+    weights = []  # per FP8 dot traced: its weight, quantised once (True) or its master (its shape)
+    dot_fwd = fp8._dot_fwd
+
+    def recording(x, w, *rest):
+        weights.append(True if isinstance(w, QuantizedWeight) else tuple(w.shape))
+        return dot_fwd(x, w, *rest)
+
+    monkeypatch.setattr(fp8, "_dot_fwd", recording)
+    casts = _e4m3_casts(jax.make_jaxpr(make_train_step(cfg, layout))(state, batch).jaxpr)
+    masters = [w for w in weights if w is not True]
+    assert weights.count(True) >= 2 * cfg.model.n_layers // 2, weights  # the stage's dots, fwd and remat
+    assert masters and all(256 in w for w in masters), masters  # the head only
+    # the stacked casts, outside every loop: [R, Lc, ...] per weight
+    assert [s for depth, s in casts if depth == 0 and len(s) >= 4], casts

@@ -61,7 +61,7 @@ from flax.linen import fp8_ops
 from jax import lax
 
 from parallax.config import Fp8Config
-from parallax.model.layers import ParamUse, dot_grad_lhs, dot_grad_rhs, match_varying
+from parallax.model.layers import ParamUse, QuantizedWeight, dot_grad_lhs, dot_grad_rhs, match_varying
 from parallax.model.logical import vary, varying_axes
 
 FP8_COLLECTION = "fp8_meta"
@@ -97,9 +97,10 @@ def compute_scale(amax: jax.Array, prev_scale: jax.Array, dtype_max: float, marg
 
 
 def push_history(history: jax.Array, amax: jax.Array) -> jax.Array:
-    """Newest amax at index 0, oldest dropped (Flax's roll-and-set, so histories compare equal)."""
+    """Newest amax at index 0, oldest dropped (Flax's roll-and-set, so histories compare equal).
+    history [..., H], amax [..., 1] (a stack of tensors: one history per leading index)."""
     amax = jnp.where(jnp.isfinite(amax), amax, 0.0).astype(history.dtype)
-    return jnp.roll(history, shift=-1, axis=0).at[0].set(amax)
+    return jnp.roll(history, shift=-1, axis=-1).at[..., :1].set(amax)
 
 
 class _Static(NamedTuple):
@@ -128,36 +129,50 @@ def _reduce(x: jax.Array, axes: tuple[str, ...], op: Any) -> jax.Array:
 NO_TELEMETRY = -1.0  # a `{t}_stats` value: not computed this step (request_telemetry), reported as NaN
 
 
-def _telemetry(x: jax.Array, scale: jax.Array, qdtype: Any, st: _Static) -> jax.Array:
-    """[fraction saturated at the FP8 max, fraction of nonzeros flushed to zero] of x / scale: at
-    most half the smallest subnormal rounds (to nearest even) to 0."""
-    x32 = x.astype(jnp.float32)
-    mag = jnp.abs(x32 / jnp.broadcast_to(scale, x32.shape))
-    saturated = jnp.mean((mag >= overflow_threshold(qdtype)).astype(jnp.float32))
+def _per_tensor(x: jax.Array, lead: int) -> tuple[int, ...]:
+    """The axes of one tensor of a stack (the leading `lead` dims index the tensors). Reduced over
+    these axes, not over a [*S, n] reshape: merging sharded dims made the partitioner gather the
+    stacked weights (compiled for h100-8)."""
+    return tuple(range(lead, x.ndim))
+
+
+def _telemetry(x: jax.Array, scale: jax.Array, qdtype: Any, st: _Static, lead: int = 0) -> jax.Array:
+    """[..., 2]: [fraction saturated at the FP8 max, fraction of nonzeros flushed to zero] of
+    x / scale, per tensor: at most half the smallest subnormal rounds (to nearest even) to 0."""
+    x32, axes = x.astype(jnp.float32), _per_tensor(x, lead)
+    mag = jnp.abs(x32 / scale.reshape(*scale.shape[:-1], *([1] * len(axes))))  # each tensor by its scale
+    saturated = jnp.mean((mag >= overflow_threshold(qdtype)).astype(jnp.float32), axis=axes)
     tiny = float(jnp.finfo(qdtype).smallest_subnormal) / 2
-    flushed = jnp.mean(((mag <= tiny) & (x32 != 0)).astype(jnp.float32))
-    return _reduce(jnp.stack([saturated, flushed]), st.amax_axes, lax.pmean)
+    flushed = jnp.mean(((mag <= tiny) & (x32 != 0)).astype(jnp.float32), axis=axes)
+    return _reduce(jnp.stack([saturated, flushed], axis=-1), st.amax_axes, lax.pmean)
 
 
-def quantize(x: jax.Array, meta: tuple, qdtype: Any, st: _Static) -> tuple[jax.Array, tuple]:
+def quantize(x: jax.Array, meta: tuple, qdtype: Any, st: _Static, lead: int = 0) -> tuple[jax.Array, tuple]:
     """x -> (FP8 x, new (scale, history, stats)). `meta` may be float32 or fm32. The incoming
     stats ask for this step's telemetry (anything >= 0) or not (NO_TELEMETRY: request_telemetry):
     two more reductions over the tensor, measured at 11% of the emulated FP8 step on CPU, run
-    only on the steps that log them."""
+    only on the steps that log them.
+
+    `lead` > 0: x is a stack of tensors [*S, ...] (S its first `lead` dims) with a state per
+    tensor (scale [*S, 1], history [*S, H], stats [*S, 2]): each quantised by its own scale, as
+    `lead` = 0 quantises one (quantize_weights)."""
     scale, history, stats = (_as_f32(m) for m in meta)
     dmax = fp8_max(qdtype)
     x32 = x.astype(jnp.float32)
-    amax = _reduce(jnp.max(jnp.abs(x32)), st.amax_axes, lax.pmax)  # the whole tensor's amax
-    basis = jnp.max(history, axis=0) if st.recipe == "delayed" else amax
+    # the whole tensor's amax [..., 1]
+    amax = _reduce(jnp.max(jnp.abs(x32), axis=_per_tensor(x, lead))[..., None], st.amax_axes, lax.pmax)
+    basis = jnp.max(history, axis=-1, keepdims=True) if st.recipe == "delayed" else amax
     new_scale = compute_scale(basis, scale, dmax, st.margin)
-    q = jnp.clip(x32 / jnp.broadcast_to(new_scale, x32.shape), -dmax, dmax).astype(qdtype)
+    per_element = new_scale.reshape(*new_scale.shape[:-1], *([1] * (x.ndim - lead)))
+    q = jnp.clip(x32 / per_element, -dmax, dmax).astype(qdtype)
     # x, not x32, enters the branch: a float32 copy as the conditional's operand would be one
     # more buffer of the tensor on every step
     # (inside shard_map both branches must vary over the same manual axes: the telemetry's mean
     # varies as x and the scale do, but over amax_axes, which its pmean reduces)
     skip_axes = sorted((varying_axes(x) | varying_axes(new_scale)) - set(st.amax_axes))
-    stats = lax.cond(stats[0] >= 0, lambda: _telemetry(x, new_scale, qdtype, st),
-                     lambda: vary(jnp.full((2,), NO_TELEMETRY, jnp.float32), skip_axes))
+    asked = stats.reshape(-1)[0] >= 0  # request_telemetry asks every tensor alike
+    stats = lax.cond(asked, lambda: _telemetry(x, new_scale, qdtype, st, lead),
+                     lambda: vary(jnp.full(stats.shape, NO_TELEMETRY, jnp.float32), skip_axes))
     return q, (new_scale, push_history(history, amax), stats)
 
 
@@ -190,11 +205,16 @@ def _from_bits(b: jax.Array, dtype: Any) -> jax.Array:
 
 
 def _dot_fwd(x, w, x_meta, w_meta, g_meta, st: _Static):
-    if st.param is not None:
-        w = st.param.weight(w)  # the compute-dtype copy, quantised from as without `param`
     qx, x_new = quantize(x, x_meta, E4M3, st)
-    qw, w_new = quantize(w, w_meta, E4M3, st)
-    sx, sw = x_new[0], w_new[0]
+    if isinstance(w, QuantizedWeight):  # quantised once this step (quantize_weights): no state here
+        bits = w.bits if st.param is None else st.param.placement.to_compute(w.bits)
+        qw, sw, w_new = _from_bits(bits, E4M3), w.scale, ()
+    else:
+        if st.param is not None:
+            w = st.param.weight(w)  # the compute-dtype copy, quantised from as without `param`
+        qw, w_new = quantize(w, w_meta, E4M3, st)
+        sw, w_new = w_new[0], _restore(w_new, w_meta)
+    sx = x_new[0]
     # The GEMM accumulates in float32 and emits the compute dtype, as Flax's fp8_ops: a float32
     # result doubled the bytes the GEMM writes in bfloat16 (compiled for h100-8, the fp8_cost
     # layout: 751.7 -> 736.1 MiB per step with dx below); the product is rounded once more
@@ -203,7 +223,7 @@ def _dot_fwd(x, w, x_meta, w_meta, g_meta, st: _Static):
     y = (y * jnp.broadcast_to(sx * sw, y.shape)).astype(st.out_dtype)
     # Residuals are the FP8 operands (1 byte per element), not the high-precision ones, as raw
     # bits (_to_bits: a remat policy that saves them would otherwise corrupt them).
-    res = (_to_bits(qx), _to_bits(qw), sx, sw, _restore(x_new, x_meta), _restore(w_new, w_meta), g_meta)
+    res = (_to_bits(qx), _to_bits(qw), sx, sw, _restore(x_new, x_meta), w_new, g_meta)
     return y, res
 
 
@@ -223,6 +243,8 @@ def _dot_bwd(st: _Static, res, g):
     else:  # the partial sums leave the matmul, and are reduced, in grad_dtype; scaled after
         dw = st.param.placement.to_storage(dot_grad_rhs(qg, qx, st.dims, qw.ndim, st.param.grad_dtype))
         dw = (dw.astype(jnp.float32) * jnp.broadcast_to(sx * sg, dw.shape)).astype(st.w_dtype)
+    if w_new == ():  # a QuantizedWeight: the master's gradient, nothing for its FP8 copy
+        dw = QuantizedWeight(dw, np.zeros(bw.shape, jax.dtypes.float0), jnp.zeros_like(sw))
     return dx, dw, x_new, w_new, _restore(g_new, g_meta)
 
 
@@ -261,11 +283,14 @@ class Fp8DotGeneral(nn.Module):
             history = self.variable(FP8_COLLECTION, f"{t}_amax_history", jnp.zeros, (h,), jnp.float32)
             stats = self.variable(FP8_COLLECTION, f"{t}_stats", jnp.zeros, (2,), jnp.float32)
             metas.append((scale.value, history.value, stats.value))
-        out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+        master = rhs.master if isinstance(rhs, QuantizedWeight) else rhs
+        if isinstance(rhs, QuantizedWeight):
+            metas[1] = ()  # the weight's state was used and updated where it was quantised
+        out_dtype = preferred_element_type or jnp.result_type(lhs, master)
         (xc, yc), (xb, yb) = dimension_numbers
         dims = ((tuple(xc), tuple(yc)), (tuple(xb), tuple(yb)))
         st = _Static(dims, self.recipe, float(self.margin), tuple(self.amax_axes), jnp.dtype(out_dtype),
-                     jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), param)
+                     jnp.dtype(lhs.dtype), jnp.dtype(master.dtype), param)
         lhs, rhs = match_varying(lhs, rhs)  # the state stays as it came in (not psum-ed on transpose)
         return fp8_dot(lhs, rhs, *metas, st)
 
@@ -305,6 +330,67 @@ def scales_each_use(factory: Any) -> bool:
     differently per layout (the pipeline's half-microbatches) must not."""
     keywords = getattr(factory, "keywords", {})
     return getattr(factory, "func", None) is Fp8DotGeneral and keywords.get("recipe") == "current"
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights quantised once per step
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _quantized(w: jax.Array, meta: tuple, st: _Static, dtype: Any, lead: int) -> QuantizedWeight:
+    return _quantized_fwd(w, meta, st, dtype, lead)[0]
+
+
+def _quantized_fwd(w, meta, st: _Static, dtype: Any, lead: int):
+    q, new = quantize(w.astype(dtype), meta, E4M3, st, lead)  # as the dot casts a master weight
+    return QuantizedWeight(w, _to_bits(q), new[0]), _restore(new, meta)
+
+
+def _quantized_bwd(st: _Static, dtype: Any, lead: int, new_meta: tuple, ct: QuantizedWeight):
+    # the master's gradient straight through; the state's "gradient" is its new value (overwrite)
+    return ct.master, new_meta
+
+
+_quantized.defvjp(_quantized_fwd, _quantized_bwd)
+
+# The parameters an FP8 dot module may take as its weight, in the order a module makes its dots:
+# Dense (and the head) `kernel`; the MoE experts `wi`, then `wo` (moe.MoE: Fp8DotGeneral_0, _1).
+# Checked: a dot whose weight is not found here raises (quantize_weights).
+WEIGHT_NAMES = ("kernel", "wi", "wo")
+
+
+def quantize_weights(params: Any, fp8: Any, factory: Any, dtype: Any, amax_axes: Any, lead: int) -> Any:
+    """`params` with every weight an FP8 dot takes replaced by a QuantizedWeight: quantised here,
+    once, by its own state in `fp8` (same tree paths; the weight's amax enters the history here,
+    and the dot no longer quantises it at each use: a pipeline stage's weights were quantised
+    again at every tick and every remat recomputation, BUILD_NOTES.md "FP8's cost").
+
+    Exact against quantising at each use: a weight is the same tensor at every use of one step,
+    so its amax, scale and FP8 copy are too, under both recipes. `factory`: the model's FP8 dot
+    factory (its recipe and margin; anything else: `params` unchanged). `dtype`: the compute
+    dtype the dot casts a master weight to first. `amax_axes`: a tree of `params`' structure
+    whose leaves are the manual shard_map axes each weight is sharded over (its amax is pmax-ed
+    over them). `lead`: leading stack dims of every leaf (a stage's [R, Lc, ...]: 2)."""
+    if getattr(factory, "func", None) is not Fp8DotGeneral or not fp8:
+        return params
+    kw = factory.keywords
+    flat_params = traverse_util.flatten_dict(params)
+    flat_axes = traverse_util.flatten_dict(amax_axes)
+    dots = sorted({path[:-1] for path in traverse_util.flatten_dict(fp8)})
+    for dot in dots:
+        module, index = dot[:-1], int(dot[-1].rsplit("_", 1)[1])
+        names = [n for n in WEIGHT_NAMES if (*module, n) in flat_params]
+        if index >= len(names):
+            raise ValueError(f"quantize_weights: FP8 dot {'/'.join(dot)} has no weight among {WEIGHT_NAMES}")
+        path = (*module, names[index])
+        state = fp8
+        for key in dot:
+            state = state[key]
+        meta = tuple(state[f"kernel_{k}"] for k in ("scale", "amax_history", "stats"))
+        st = _Static((), kw.get("recipe", "delayed"), float(kw.get("margin", 0.0)), tuple(flat_axes[path]),
+                     jnp.dtype(dtype), jnp.dtype(dtype), jnp.dtype(jnp.float32))
+        flat_params[path] = _quantized(flat_params[path], meta, st, jnp.dtype(dtype), lead)
+    return traverse_util.unflatten_dict(flat_params)
 
 
 def padding_value(name: str) -> float:

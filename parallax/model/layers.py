@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -35,6 +35,18 @@ from parallax.model.logical import (MLP_WI, ParamPlacement, ParamPlacer, constra
 # `param_matmul`, the module also gets the float32 master weight as `rhs` and `param=ParamUse`:
 # it casts (and gathers) the weight itself and returns its gradient as ParamUse says.
 DotGeneralFactory = Callable[[], nn.Module] | None
+
+
+class QuantizedWeight(NamedTuple):
+    """A master weight with its FP8 copy for this step, made once per step outside the loops that
+    use it (fp8.quantize_weights: a pipeline stage's weights before its tick loop). It takes the
+    master weight's place in the parameters; `param_matmul` hands it to the FP8 dot, which reads
+    `bits` (E4M3 as uint8) and `scale` in place of quantising the master at every use, and
+    returns the master's gradient as `master`'s cotangent (straight through, as before)."""
+
+    master: jax.Array  # float32 [...]: only its cotangent is used
+    bits: jax.Array  # uint8 [...]: the E4M3 weight, master / scale rounded
+    scale: jax.Array  # float32 [1]
 
 
 def make_dot(factory: DotGeneralFactory) -> Callable[..., jax.Array] | None:
@@ -142,8 +154,8 @@ def match_varying(*xs: jax.Array) -> list[jax.Array]:
     """Inside shard_map, give the operands one varying type (x sharded, w replicated: w is cast).
     A custom VJP must return each cotangent with its input's type; the cast's transpose is the
     psum that sums the weight gradient over the shards, as lax.dot_general would."""
-    union = frozenset().union(*(varying_axes(x) for x in xs))
-    return [vary(x, sorted(union)) for x in xs]
+    union = sorted(frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(xs))))
+    return [jax.tree.map(lambda a: vary(a, union), x) for x in xs]
 
 
 def param_matmul(x: jax.Array, w: jax.Array, dims: Any, names: tuple[str | None, ...], dtype: Any,
@@ -160,7 +172,8 @@ def param_matmul(x: jax.Array, w: jax.Array, dims: Any, names: tuple[str | None,
     if grad_dtype is None:
         wc = constrain_param(w, names, placer, dtype)  # ZeRO-3: all-gather here, in dtype
         return (dot or lax.dot_general)(x, wc, dims, preferred_element_type=dtype)
-    use = ParamUse(param_placement(placer, names), jnp.dtype(dtype), jnp.dtype(grad_dtype), jnp.dtype(w.dtype))
+    master = w.master if isinstance(w, QuantizedWeight) else w
+    use = ParamUse(param_placement(placer, names), jnp.dtype(dtype), jnp.dtype(grad_dtype), jnp.dtype(master.dtype))
     if dot is not None:
         return dot(x, w, dims, preferred_element_type=dtype, param=use)
     x, w = match_varying(x, w)

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from parallax.model.fp8 import FP8_COLLECTION, padding_value, scales_each_use
+from parallax.model.fp8 import FP8_COLLECTION, padding_value, quantize_weights, scales_each_use
+from parallax.model.layers import QuantizedWeight
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
 from parallax.model.transformer import Transformer, moe_stat_shapes, remat_policy, stack_unit
@@ -219,20 +220,32 @@ def run_pipeline(
     ring = [(i, (i + 1) % p) for i in range(p)]
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
 
-    def gather_zero3(c: jax.Array, spec: P) -> jax.Array:
-        # ZeRO-3 stores weights sharded over `data`: gather each once per step, not per tick.
-        # (Expert weights stay sharded over `expert`: each device runs its own experts.)
-        for dim, entry in enumerate(spec):
-            axes = tuple(a for a in entry_axes(entry) if a == DATA)
-            if axes:
-                c = jax.lax.all_gather(c, axes, axis=dim, tiled=True)
-        return c[:, 0]  # [R, 1, Lc, ...] -> [R, Lc, ...]
+    def gather_zero3(spec: P, c: Any) -> Any:
+        # ZeRO-3 stores weights sharded over `data`: gather each once per step, not per tick
+        # (a QuantizedWeight's FP8 bits too: half the bytes of bf16; its scale is the layer's).
+        # Expert weights stay sharded over `expert`: each device runs its own experts.
+        def gather(a: jax.Array) -> jax.Array:
+            for dim, entry in enumerate(spec):  # spec of [R, P, Lc, ...]; a is [R, Lc, ...]
+                axes = tuple(x for x in entry_axes(entry) if x == DATA)
+                if axes and dim != 1:
+                    a = jax.lax.all_gather(a, axes, axis=dim - (dim > 1), tiled=True)
+            return a
+
+        if isinstance(c, QuantizedWeight):
+            return QuantizedWeight(gather(c.master), gather(c.bits), c.scale)
+        return gather(c)
+
+    # per weight, the manual axes it is stored sharded over (its FP8 amax is pmax-ed over them)
+    sharded_over = jax.tree.map(lambda s: tuple(a for e in s for a in entry_axes(e) if a != PIPE), param_specs,
+                                is_leaf=lambda a: isinstance(a, P))
 
     stat_shapes = moe_stat_shapes(model.cfg, layers_per_chunk=jax.tree.leaves(layers)[0].shape[2])
 
     def body(chunks: Any, micro: jax.Array, fp8_chunks: Any, micro_docs: Any) -> tuple[jax.Array, dict]:
-        chunks = jax.tree.map(gather_zero3, chunks, param_specs, is_leaf=lambda a: isinstance(a, P))
-        fp8_chunks = jax.tree.map(lambda c: c[:, 0], fp8_chunks)  # [R, 1, Lc, ...] -> [R, Lc, ...]
+        chunks, fp8_chunks = jax.tree.map(lambda c: c[:, 0], (chunks, fp8_chunks))  # [R, 1, Lc, ...] -> [R, Lc, ...]
+        # FP8: each weight quantised here, once per step, not at every tick and recomputation
+        chunks = quantize_weights(chunks, fp8_chunks, model.dot_general, model.cfg.dtype, sharded_over, lead=2)
+        chunks = jax.tree.map(gather_zero3, param_specs, chunks, is_leaf=lambda a: isinstance(a, P))
         s = jax.lax.axis_index(PIPE)
         # Mark inputs varying here, once, outside the tick loop: the transpose of this cast is the
         # reduction of their cotangents (weights over the batch axes, microbatches over `pipe`),
