@@ -149,7 +149,7 @@ def test_current_recipe_records_the_whole_batch_amax(name):
     np.testing.assert_allclose(losses[0], ref_losses[0], rtol=CURRENT_VS_WHOLE_BATCH_LOSS_RTOL)
 
 
-def test_the_stack_fp8_state_is_stored_on_its_stages_and_the_step_gathers_none_of_it():
+def test_the_stack_fp8_state_is_stored_on_its_stages_gathered_by_none_and_combined_once():
     """One chunk per stage and no padding: the stack's FP8 state is stored over `pipe`
     (pipeline.stack_state_spec), so to_stages is a reshape and the compiled FP8 step holds no
     all-gather and no all-to-all (replicated, the tiny model of experiments/fp8_cost.py compiled to
@@ -168,9 +168,17 @@ def test_the_stack_fp8_state_is_stored_on_its_stages_and_the_step_gathers_none_o
         assert specs == {spec}, (cfg.model.n_layers, specs)
         assert {s.spec for s in jax.tree.leaves(layout.state_shardings.fp8["logits"])} == {P()}
     step = compile_step(even)
-    kinds = [c.kind for c in collectives(step.hlo, step.mesh_shape)]
+    found = collectives(step.hlo, step.mesh_shape)
+    kinds = [c.kind for c in found]
     assert "all-reduce" in kinds and kinds.count("collective-permute") > 0  # the audit reads this program
     assert "all-gather" not in kinds and "all-to-all" not in kinds, sorted(set(kinds))
+    # `delayed`: the dots' amaxes stay local inside the tick loop and the state is combined over
+    # the batch axes once per step (fp8.combined_over): no FP8 all-reduce over `data` runs per
+    # tick (outside the telemetry's conditionals); one pmax where the state enters the stages
+    per_tick = [c.op_name for c in found if c.in_loop and not c.conditional and "data" in c.axes
+                and "Fp8DotGeneral" in c.op_name]
+    assert not per_tick, per_tick
+    assert [c for c in found if "data" in c.axes and not c.in_loop and "shard_map/pmax" in c.op_name]
 
 
 def _e4m3_casts(jaxpr, loops=0, out=None):

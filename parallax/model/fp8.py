@@ -116,6 +116,9 @@ class _Static(NamedTuple):
     # Set when the kernel comes in as its master weight (layers.param_matmul): cast (and, ZeRO-3,
     # gathered) inside the forward pass, its gradient emitted and reduced in param.grad_dtype.
     param: ParamUse | None = None
+    # The manual axes the telemetry's fractions are averaged over; None: amax_axes. Differs where
+    # the caller combines the amaxes itself, once per step (combined_over: the pipeline, delayed)
+    stat_axes: tuple[str, ...] | None = None
 
 
 def _as_f32(x: jax.Array) -> jax.Array:
@@ -144,7 +147,11 @@ def _telemetry(x: jax.Array, scale: jax.Array, qdtype: Any, st: _Static, lead: i
     saturated = jnp.mean((mag >= overflow_threshold(qdtype)).astype(jnp.float32), axis=axes)
     tiny = float(jnp.finfo(qdtype).smallest_subnormal) / 2
     flushed = jnp.mean(((mag <= tiny) & (x32 != 0)).astype(jnp.float32), axis=axes)
-    return _reduce(jnp.stack([saturated, flushed], axis=-1), st.amax_axes, lax.pmean)
+    return _reduce(jnp.stack([saturated, flushed], axis=-1), _stat_axes(st), lax.pmean)
+
+
+def _stat_axes(st: _Static) -> tuple[str, ...]:
+    return st.amax_axes if st.stat_axes is None else st.stat_axes
 
 
 def quantize(x: jax.Array, meta: tuple, qdtype: Any, st: _Static, lead: int = 0) -> tuple[jax.Array, tuple]:
@@ -169,11 +176,13 @@ def quantize(x: jax.Array, meta: tuple, qdtype: Any, st: _Static, lead: int = 0)
     # more buffer of the tensor on every step
     # (inside shard_map both branches must vary over the same manual axes: the telemetry's mean
     # varies as x and the scale do, but over amax_axes, which its pmean reduces)
-    skip_axes = sorted((varying_axes(x) | varying_axes(new_scale)) - set(st.amax_axes))
+    skip_axes = sorted((varying_axes(x) | varying_axes(new_scale)) - set(_stat_axes(st)))
     asked = stats.reshape(-1)[0] >= 0  # request_telemetry asks every tensor alike
-    stats = lax.cond(asked, lambda: _telemetry(x, new_scale, qdtype, st, lead),
-                     lambda: vary(jnp.full(stats.shape, NO_TELEMETRY, jnp.float32), skip_axes))
-    return q, (new_scale, push_history(history, amax), stats)
+    new_stats = lax.cond(asked, lambda: _telemetry(x, new_scale, qdtype, st, lead),
+                         lambda: vary(jnp.full(stats.shape, NO_TELEMETRY, jnp.float32), skip_axes))
+    # typed as the incoming state (a state combined_over the batch axes varies over them, while
+    # the fractions, averaged over them, do not)
+    return q, (new_scale, push_history(history, amax), vary(new_stats, varying_axes(stats)))
 
 
 def _restore(new: tuple, like: tuple) -> tuple:
@@ -268,6 +277,7 @@ class Fp8DotGeneral(nn.Module):
     amax_history_length: int = 1024
     margin: float = 0.0
     amax_axes: tuple[str, ...] = ()
+    stat_axes: tuple[str, ...] | None = None  # the telemetry's (None: amax_axes; _Static.stat_axes)
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
@@ -290,7 +300,8 @@ class Fp8DotGeneral(nn.Module):
         (xc, yc), (xb, yb) = dimension_numbers
         dims = ((tuple(xc), tuple(yc)), (tuple(xb), tuple(yb)))
         st = _Static(dims, self.recipe, float(self.margin), tuple(self.amax_axes), jnp.dtype(out_dtype),
-                     jnp.dtype(lhs.dtype), jnp.dtype(master.dtype), param)
+                     jnp.dtype(lhs.dtype), jnp.dtype(master.dtype), param,
+                     None if self.stat_axes is None else tuple(self.stat_axes))
         lhs, rhs = match_varying(lhs, rhs)  # the state stays as it came in (not psum-ed on transpose)
         return fp8_dot(lhs, rhs, *metas, st)
 
@@ -352,6 +363,29 @@ def _quantized_bwd(st: _Static, dtype: Any, lead: int, new_meta: tuple, ct: Quan
 
 
 _quantized.defvjp(_quantized_fwd, _quantized_bwd)
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def combined_over(state: Any, axes: tuple[str, ...]) -> Any:
+    """An FP8 state tree (fm32 leaves) typed as varying over the manual `axes`, whose uses' new
+    states are combined by one max over `axes` where it enters (the transpose: pmax, not psum).
+    Under `delayed` a use's amax only enters the history, so the dots inside the loop take their
+    local amaxes (`amax_axes=()`) and the state is reduced over the devices once per step here, in
+    place of once per dot, per operand and per tick."""
+    return jax.tree.map(lambda x: vary(x, axes), state)
+
+
+def _combined_over_fwd(state: Any, axes: tuple[str, ...]) -> tuple[Any, None]:
+    return combined_over(state, axes), None
+
+
+def _combined_over_bwd(axes: tuple[str, ...], _: None, ct: Any) -> tuple[Any]:
+    # one pmax per leaf: XLA's all-reduce combiner makes them one (compiled for h100-8; joining
+    # the leaves by hand only added the concatenation's copies)
+    return (jax.tree.map(lambda x: lax.convert_element_type(lax.pmax(_as_f32(x), axes), x.dtype), ct),)
+
+
+combined_over.defvjp(_combined_over_fwd, _combined_over_bwd)
+
 
 # The parameters an FP8 dot module may take as its weight, in the order a module makes its dots:
 # Dense (and the head) `kernel`; the MoE experts `wi`, then `wo` (moe.MoE: Fp8DotGeneral_0, _1).

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from parallax.model.fp8 import FP8_COLLECTION, padding_value, quantize_weights, scales_each_use
+from parallax.model.fp8 import FP8_COLLECTION, combined_over, padding_value, quantize_weights, scales_each_use
 from parallax.model.layers import QuantizedWeight
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
@@ -103,13 +103,20 @@ def stage_specs(layer_specs: Any) -> Any:
 # The pipelined forward pass
 
 
-def with_batch_amaxes(factory: Any) -> Any:
+def with_batch_amaxes(factory: Any, combined: bool = False) -> Any:
     """An FP8 dot factory (or None) whose amaxes are pmax-ed over the batch axes: inside the
-    pipeline's shard_map, manual over them, each device sees only its rows (fp8.py's hook)."""
-    return None if factory is None else functools.partial(factory, amax_axes=tuple(BATCH_AXES))
+    pipeline's shard_map, manual over them, each device sees only its rows (fp8.py's hook).
+    `combined`: the caller combines the state over the batch axes once per step instead
+    (fp8.combined_over; `delayed` only): the dots keep their local amaxes, the telemetry's
+    fractions are still the whole batch's."""
+    if factory is None:
+        return None
+    if combined:
+        return functools.partial(factory, amax_axes=(), stat_axes=tuple(BATCH_AXES))
+    return functools.partial(factory, amax_axes=tuple(BATCH_AXES))
 
 
-def stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
+def stage_fn(model: Transformer, combined: bool = False) -> Callable[..., tuple[jax.Array, dict]]:
     """(chunk params [Lc, ...], x [b, T, D], chunk FP8 state or None, unit mask [Lc] or None,
     repeat or None) -> (x, MoE stats [Lc, ...]): the chunk's units in order.
 
@@ -127,7 +134,7 @@ def stage_fn(model: Transformer) -> Callable[..., tuple[jax.Array, dict]]:
     gathered weights too: the named copy's producer is the gathered value; BUILD_NOTES.md). Without a policy, slicing per unit
     measured worse than the per-tick slice (BUILD_NOTES.md).
     """
-    dot_general = with_batch_amaxes(model.dot_general)
+    dot_general = with_batch_amaxes(model.dot_general, combined)
     # ZeRO-3's placer and the expert exchange as injected into the model (train_state.make_layout)
     block = stack_unit(model.cfg)(model.cfg, dot_general, placer=model.placer, exchange=model.exchange,
                                   attention_chunk=model.attention_chunk, attend=model.attend)
@@ -215,8 +222,10 @@ def run_pipeline(
     # this way keeps each data shard's rows on the same shard (no resharding of the batch).
     micro = x.reshape(b // m, m, t, d).swapaxes(0, 1)
     micro_docs = None if docs is None else tuple(a.reshape(b // m, m, t).swapaxes(0, 1) for a in docs)  # [M, B/M, T]
-    stage = stage_fn(model)
     split = not scales_each_use(model.dot_general)
+    # delayed: the stage's FP8 state combined over the batch axes once per step (fp8.combined_over)
+    combined = fp8 is not None and split
+    stage = stage_fn(model, combined)
     ring = [(i, (i + 1) % p) for i in range(p)]
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
 
@@ -246,6 +255,8 @@ def run_pipeline(
         # FP8: each weight quantised here, once per step, not at every tick and recomputation
         chunks = quantize_weights(chunks, fp8_chunks, model.dot_general, model.cfg.dtype, sharded_over, lead=2)
         chunks = jax.tree.map(gather_zero3, param_specs, chunks, is_leaf=lambda a: isinstance(a, P))
+        if combined:
+            fp8_chunks = combined_over(fp8_chunks, tuple(BATCH_AXES))
         s = jax.lax.axis_index(PIPE)
         # Mark inputs varying here, once, outside the tick loop: the transpose of this cast is the
         # reduction of their cotangents (weights over the batch axes, microbatches over `pipe`),
