@@ -53,7 +53,7 @@ class Workload:
     optimizer: str = "adamw"  # optim.name: muon keeps one moment for the blocks' kernels
     ns_steps: int = 5  # optim.muon_ns_steps: Newton-Schulz iterations per Muon update
     grad_accum: int = 1  # train.grad_accum: the step runs A microsteps of global_batch / A rows
-    fp8: bool = False  # fp8.enabled (only for parallelism.reduces_once here: no FP8 numerics)
+    fp8: bool = False  # fp8.enabled (parallelism.reduces_once; ZeRO-3 gathers FP8 weights; no FP8 numerics)
     packed: bool = False  # data.eod_id >= 0: packed documents (cuDNN then takes a same-document mask)
 
     @classmethod
@@ -117,6 +117,7 @@ class Dims:
         self.H, self.T = m.d_model // m.n_heads, w.seq_len
         self.cpu = platform == "cpu"
         self.c = 4 if (self.cpu or m.dtype == "float32") else 2  # activation bytes
+        self.fp8 = w.fp8
         t, p = np.asarray(g.tensor), np.asarray(g.pipe)
         self.t, self.p = t, p
         self.d, self.ep = np.asarray(g.data), np.asarray(g.expert)

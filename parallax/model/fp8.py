@@ -45,6 +45,13 @@ never name mesh axes; the caller of a shard_map knows them). The pmax-ed amax is
 those axes, so the returned state is too, and a replicated state's cotangent is not psum-ed on the
 way out of the shard_map (which would be the "amax summed over devices" bug again). Forgetting the
 hook there fails loudly: the custom VJP would return a device-varying state for a replicated one.
+Under `delayed` a caller may instead keep the amaxes local and combine the state once per step
+(`combined_over`: the pipeline does, as its dots run once per tick).
+
+Weights once per step. A weight is the same tensor at every use of a step, so where it is used
+many times (a pipeline stage's ticks and remat recomputations) `quantize_weights` casts it once,
+before the loop, into a `QuantizedWeight` that the dot reads in place of the master weight; the
+weight's state is updated there, not by the dots.
 """
 
 from __future__ import annotations

@@ -203,7 +203,9 @@ def run_pipeline(
 
     `fp8`: the stack's FP8 state (fm32, stage layout [R, P, Lc, ...]) or None. Each stage gets its
     own layers' state; every use of it (ticks, half-microbatches) combines by max through fm32's
-    autodiff, and bubble ticks run on zeros so that their amax (0) never wins.
+    autodiff, and bubble ticks run on zeros so that their amax (0) never wins. The stage's weights
+    are quantised once per step, before the tick loop (fp8.quantize_weights), and under `delayed`
+    the dots keep local amaxes, combined over the batch axes once per step (fp8.combined_over).
 
     `layer_specs`: the mesh PartitionSpecs the stage-layout parameters are stored with.
 

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from parallax.config import Config, ConfigError
 from parallax.parallel.expert_parallel import EXPERT_EXCHANGE
 from parallax.parallel.fused_attention import make_attend
-from parallax.model.fp8 import FP8_COLLECTION, transformer_dot_generals
+from parallax.model.fp8 import FP8_COLLECTION, quantize_weights, transformer_dot_generals
 from parallax.model.transformer import Transformer
 from parallax.train.optim import make_optimizer, muon_shardings
 from parallax.parallel.pipeline_1f1b import make_scheduled_value_and_grad
@@ -136,6 +136,10 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
     else:
         def apply(params: Any, tokens: jax.Array, targets: jax.Array, fp8: Any = None,
                   **docs: jax.Array) -> tuple[jax.Array, dict]:  # docs: packed documents (data.DOC_KEYS)
+            if fp8 and "layers" in fp8:  # each stacked weight quantised once, not at each use and recompute
+                stack = params["layers"]
+                params = {**params, "layers": quantize_weights(stack, fp8["layers"], model.dot_general, model.cfg.dtype,
+                                                               jax.tree.map(lambda _: (), stack), lead=1)}
             variables = {"params": params, **({FP8_COLLECTION: fp8} if fp8 else {})}
             return model.apply(variables, tokens, targets, method=Transformer.loss, **docs)
     params = jax.eval_shape(lambda r: _init_params(model, cfg, r, schedule), jax.random.key(0))
