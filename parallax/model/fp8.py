@@ -371,6 +371,7 @@ def _quantized_bwd(st: _Static, dtype: Any, lead: int, new_meta: tuple, ct: Quan
 
 _quantized.defvjp(_quantized_fwd, _quantized_bwd)
 
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def combined_over(state: Any, axes: tuple[str, ...]) -> Any:
     """An FP8 state tree (fm32 leaves) typed as varying over the manual `axes`, whose uses' new

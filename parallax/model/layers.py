@@ -39,7 +39,8 @@ DotGeneralFactory = Callable[[], nn.Module] | None
 
 class QuantizedWeight(NamedTuple):
     """A master weight with its FP8 copy for this step, made once per step outside the loops that
-    use it (fp8.quantize_weights: a pipeline stage's weights before its tick loop). It takes the
+    use it (fp8.quantize_weights: a pipeline stage's weights before its tick loop, the scanned
+    stack's before the scan). It takes the
     master weight's place in the parameters; `param_matmul` hands it to the FP8 dot, which reads
     `bits` (E4M3 as uint8) and `scale` in place of quantising the master at every use, and
     returns the master's gradient as `master`'s cotangent (straight through, as before)."""
