@@ -259,7 +259,7 @@ def _dot_bwd(st: _Static, res, g):
     else:  # the partial sums leave the matmul, and are reduced, in grad_dtype; scaled after
         dw = st.param.placement.to_storage(dot_grad_rhs(qg, qx, st.dims, qw.ndim, st.param.grad_dtype))
         dw = (dw.astype(jnp.float32) * jnp.broadcast_to(sx * sg, dw.shape)).astype(st.w_dtype)
-    if w_new == ():  # a QuantizedWeight: the master's gradient, nothing for its FP8 copy
+    if isinstance(w_new, tuple) and not w_new:  # a QuantizedWeight: the master's gradient, nothing for its FP8 copy
         dw = QuantizedWeight(dw, np.zeros(bw.shape, jax.dtypes.float0), jnp.zeros_like(sw))
     return dx, dw, x_new, w_new, _restore(g_new, g_meta)
 
@@ -429,8 +429,9 @@ def quantize_weights(params: Any, fp8: Any, factory: Any, dtype: Any, amax_axes:
         for key in dot:
             state = state[key]
         meta = tuple(state[f"kernel_{k}"] for k in ("scale", "amax_history", "stats"))
-        st = _Static((), kw.get("recipe", "delayed"), float(kw.get("margin", 0.0)), tuple(flat_axes[path]),
-                     jnp.dtype(dtype), jnp.dtype(dtype), jnp.dtype(jnp.float32))
+        recipe, margin = kw.get("recipe", Fp8DotGeneral.recipe), float(kw.get("margin", Fp8DotGeneral.margin))
+        st = _Static((), recipe, margin, tuple(flat_axes[path]), jnp.dtype(dtype), jnp.dtype(dtype),
+                     jnp.dtype(jnp.float32))
         flat_params[path] = _quantized(flat_params[path], meta, st, jnp.dtype(dtype), lead)
     return traverse_util.unflatten_dict(flat_params)
 
