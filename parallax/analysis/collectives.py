@@ -85,12 +85,14 @@ class _Terms:
         static = execs if static is None else np.where(on, static, 0) * self.one
         self.terms.append(Term(axes, kind, what, nbytes * self.one, execs, static, overlap, group))
 
-    def partial_sum(self, s: Dims, what, nbytes, execs, on, static=None) -> None:
+    def partial_sum(self, s: Dims, what, nbytes, execs, on, static=None, sliced=True) -> None:
         """The all-reduce of a [B, T, D] partial sum over tensor. Under sequence parallelism it
         feeds the T-sharded residual: the partitioner emits all-reduce + slice of this device's T
         shard, which the GPU and TPU compilers fuse into a reduce-scatter (result 1/t); XLA:CPU
-        has no such pass and keeps the all-reduce (its compiled steps are what the tests compare)."""
-        rs = s.sp & (not s.cpu)
+        has no such pass and keeps the all-reduce (its compiled steps are what the tests compare).
+        `sliced` False: the slice is not beside the all-reduce (a loop writes the sums into a
+        whole-T buffer first), so every compiler keeps the all-reduce."""
+        rs = s.sp & (not s.cpu) & sliced
         self.add(("tensor",), "all-reduce", what, nbytes, execs, on & ~rs, "exposed", static, s.t)
         self.add(("tensor",), "reduce-scatter", what, nbytes / s.t, execs, on & rs, "exposed", static, s.t)
 
@@ -204,8 +206,10 @@ def _outer_tensor_terms(s: Dims, out: _Terms) -> None:
     per_head, head_static = np.where(f1b, s.M, 1), np.where(f1b, s.ticks, 1)
     out.partial_sum(s, "embedding forward (vocab-parallel)", s.act, 1, on_t)
     n = s.loss_chunks
+    # (chunked: each chunk's input gradient is summed inside the chunk loop and written into the
+    # whole-T cotangent, sliced to this device's T after the loop: an all-reduce per chunk)
     out.partial_sum(s, "logits backward (vocab-parallel)", np.where(f1b, s.act_m, s.act) / n, per_head * n, on_t,
-                    head_static * n)
+                    head_static * n, sliced=n == 1)
     out.add(("tensor",), "all-gather", "sequence-parallel final-norm gather", np.where(f1b, s.act_m, s.act),
             per_head, on_t & sp, "exposed", head_static, t)
     out.add(("tensor",), "all-gather", "sequence-parallel embedding cotangent gather", s.act, 1, on_t & sp, "exposed",

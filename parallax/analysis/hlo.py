@@ -338,13 +338,37 @@ def _reduce_scatter_fusions(comps: dict[str, list[str]]) -> dict[str, tuple[str,
     return out
 
 
+_CHAIN = re.compile(r'channel_id=(\d+),.*?\bchain_id="(\d+)"')
+
+
+def async_fusion_chains(comps: dict[str, list[str]]) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """XLA:TPU's async collective fusions: one collective issued as a chain of fusions (one whose
+    root is an `AsyncCollectiveStart` custom call, continuations that run it beside compute, one
+    ending in `AsyncCollectiveDone`), each holding a copy of the collective instruction with the
+    same `channel_id` and `chain_id` and the whole result shape. On the wire that is one
+    collective. -> {(channel_id, chain_id): [(computation, collective name), ...]} for chains of
+    more than one copy. (Seen on v5e-8 under sequence parallelism and ZeRO-3: the backward's
+    cotangent gathers written as chains of 3-4 copies, which read one by one made the audit count
+    the tensor gathers 1.8x.)"""
+    chains: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for comp, lines in comps.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            chain = _CHAIN.search(line) if m else None
+            if chain:
+                chains.setdefault(chain.groups(), []).append((comp, m.group(1)))
+    return {k: v for k, v in chains.items() if len(v) > 1}
+
+
 def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
     """Every collective in optimized HLO text, with its mesh axes and per-step executions. An
     all-reduce inside XLA:TPU's all-reduce-scatter fusion is the reduce-scatter it implements:
-    its bytes are the fusion's result (the shard), its op name the fusion's."""
+    its bytes are the fusion's result (the shard), its op name the fusion's. A chain of XLA:TPU's
+    async collective fusions (async_fusion_chains) is one collective, named by its first copy."""
     comps = _split_computations(hlo)
     runs, branched = _executions(comps)
     scatters = _reduce_scatter_fusions(comps)
+    copies = {member for members in async_fusion_chains(comps).values() for member in members[1:]}
     dones = {m.group(2): m.group(1) for lines in comps.values() for line in lines
              if (m := _DONE.match(line))}  # start name -> its -done's result shape
     found = []
@@ -354,6 +378,8 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
             if not m:
                 continue
             name, result, kind, start = m.groups()
+            if (comp, name) in copies:
+                continue
             groups = _groups(line, math.prod(mesh_shape.values()))
             axes = groups_to_axes(groups, mesh_shape) if groups else ()
             nbytes, sent = _shape_bytes(result), result

@@ -13,7 +13,9 @@ computation holds the collective); it is **overlapped** when compute is schedule
 start and its done in the same computation, **exposed** otherwise. A synchronous collective (the
 form XLA:TPU leaves a collective in when its latency-hiding scheduler found nothing to put beside
 it: `async_collective_name` in its frontend attributes names the async pair it came from) is
-exposed.
+exposed. XLA:TPU's async collective fusions issue one collective as a chain of fusions (start,
+continuations fused with compute, done; hlo.async_fusion_chains): overlapped when compute runs
+from its start to its done.
 
 Compute is what keeps an accelerator's math units busy: a dot or convolution (the TPU compiler's
 form of every matmul), a GEMM or fused-attention custom call (cuBLAS, cuDNN), a Pallas/Mosaic
@@ -31,7 +33,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from parallax.analysis.hlo import KINDS, Collective, collective_names, computations
+from parallax.analysis.hlo import KINDS, Collective, async_fusion_chains, collective_names, computations
 
 _ASYNC_KINDS = "|".join(KINDS)
 _START = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*? (?:(" + _ASYNC_KINDS + r")-start|async-start)\(")
@@ -113,6 +115,8 @@ def placements(hlo: str) -> dict[tuple[str, str], Placement]:
                 out[(comp, done.group(1))] = placed
                 # a generic async-start: hlo.collectives names the collective inside its computation
                 out.update({(c, name): placed for c in wrapped for name in collective_names(comps[c])})
+    out.update(_chain_placements(comps, computing))
+    for comp, lines in comps.items():
         # XLA:TPU's async collective fusion: the collective (a later layer's weight gather, say)
         # and the compute it runs beside in one fusion; the DMA engines move the bytes while the
         # matrix units compute
@@ -120,6 +124,26 @@ def placements(hlo: str) -> dict[tuple[str, str], Placement]:
         if inside and comp in computing and comp in fused:
             out.update({(comp, name): Placement(True, True, len(lines)) for name in inside
                         if (comp, name) not in out})
+    return out
+
+
+def _chain_placements(comps: dict[str, list[str]], computing: set[str]) -> dict[tuple[str, str], Placement]:
+    """A chain of XLA:TPU's async collective fusions (hlo.async_fusion_chains: a start fusion,
+    continuations, a done fusion, called in that order from one computation) is one collective,
+    overlapped when compute is scheduled from its start to its done: a continuation fused with a
+    convolution, or any computing instruction between."""
+    callers = {c: (comp, i) for comp, lines in comps.items() for i, line in enumerate(lines)
+               if _is_fusion(line) for c in _callees(line)}
+    out = {}
+    for members in async_fusion_chains(comps).values():
+        calls = [callers.get(comp) for comp, _ in members]
+        if None in calls or len({caller for caller, _ in calls}) != 1:
+            continue  # not one computation's schedule: left to the per-fusion rule
+        lines = comps[calls[0][0]]
+        first, last = min(i for _, i in calls), max(i for _, i in calls)
+        span = lines[first:last + 1]
+        busy = any(_is_kernel(x) or set(_callees(x)) & computing for x in span)
+        out.update({member: Placement(True, busy, last - first - 1) for member in members})
     return out
 
 

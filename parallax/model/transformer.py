@@ -23,7 +23,7 @@ from parallax.model.attention import Attention
 from parallax.config import ModelConfig, expert_d_ff, stack_length
 from parallax.model.fp8 import FP8_COLLECTION
 from parallax.model.layers import MLP, DotGeneralFactory, RMSNorm
-from parallax.model.logical import PARAM_COMPUTE, SAVED_ACTIVATIONS, ParamPlacer, constrain
+from parallax.model.logical import PARAM_COMPUTE, SAVED_ACTIVATIONS, ParamPlacer, constrain, pin
 from parallax.model.moe import LOCAL, Exchange, MoE
 from parallax.model.vocab import LOGITS, Embed, Head
 
@@ -32,6 +32,18 @@ from parallax.model.vocab import LOGITS, Embed, Head
 # matmul (a norm's output) is NORMED, full T: that constraint is sequence parallelism's all-gather.
 RESIDUAL = ("activation_batch", "activation_norm_length", "activation_embed")
 NORMED = ("activation_batch", "activation_length", "activation_embed")
+
+
+def gather_normed(h: jax.Array) -> jax.Array:
+    """A norm's output [B, T, D] to NORMED for the column-parallel matmuls. Where NORMED and
+    RESIDUAL differ (sequence parallelism) that is an all-gather over tensor, which must send the
+    compute dtype: XLA:GPU sinks the norm's narrowing convert below the gather and sends its
+    float32 (compiled for h100-8: twice the bytes of every forward norm gather); an optimization
+    barrier keeps the convert above the gather. Elsewhere there is no collective and no barrier
+    (one would stop a compiler fusing the norm into the matmul)."""
+    if h.dtype != jnp.float32 and pin(NORMED) != pin(RESIDUAL):
+        h = jax.lax.optimization_barrier(h)
+    return constrain(h, NORMED)
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs
@@ -93,13 +105,13 @@ class Block(nn.Module):
         c = self.cfg
         dtype = jnp.dtype(c.dtype)
         out_std = c.init_std / math.sqrt(2 * c.n_layers)  # GPT-2 style residual-branch scaling
-        h = constrain(RMSNorm(c.norm_eps, dtype, self.placer, name="attn_norm")(x), NORMED)
+        h = gather_normed(RMSNorm(c.norm_eps, dtype, self.placer, name="attn_norm")(x))
         x = x + Attention(
             c.n_heads, c.n_kv_heads, c.d_model // c.n_heads, c.rope_theta, c.init_std, out_std, dtype,
             self.dot_general, self.grad_dtype, self.placer, self.attention_chunk, self.decode, self.attend, name="attn",
         )(h, *(docs or ()))
         x = constrain(x, RESIDUAL)
-        h = constrain(RMSNorm(c.norm_eps, dtype, self.placer, name="mlp_norm")(x), NORMED)  # MoE routes whole sequences
+        h = gather_normed(RMSNorm(c.norm_eps, dtype, self.placer, name="mlp_norm")(x))  # MoE routes whole sequences
         moe = self.moe if self.moe is not None else bool(c.moe.num_experts) and c.moe.every == 1
         stats: Stats = {}
         if moe:
@@ -203,14 +215,14 @@ class Transformer(nn.Module):
 
     def head(self, x: jax.Array) -> jax.Array:
         """[B, T, D] -> [B, T, V] float32 logits (sampling, tests; training uses head_loss)."""
-        x = constrain(self.final_norm(x), NORMED)  # the logits need every token of each vocab shard
+        x = gather_normed(self.final_norm(x))  # the logits need every token of each vocab shard
         logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.logits(x)
         return constrain(logits, LOGITS).astype(jnp.float32)
 
     def head_loss(self, x: jax.Array, targets: jax.Array, loss_mask: jax.Array | None = None) -> jax.Array:
         """[B, T, D], targets [B, T] -> mean cross-entropy, never holding [B, T, V] (vocab.py).
         `loss_mask` [B, T] (packed documents): the mean over the tokens where it is nonzero."""
-        x = constrain(self.final_norm(x), NORMED)
+        x = gather_normed(self.final_norm(x))
         if self.cfg.tie_embeddings:
             return self.embed.loss(x, targets, self.loss_chunk, loss_mask)
         return self.logits(x, targets, self.loss_chunk, loss_mask)
