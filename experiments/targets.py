@@ -66,6 +66,27 @@ ROWS = {
                                 microbatches=64, sequence_parallel=True),
 }
 
+# Issue 15, item 4: the cost model against the real compilers on 1B-class shapes over 8-16 devices,
+# one row per layout family (a Llama-3.2-1B shape; a Mixtral-like MoE of 8 experts, top 2, at the
+# same width). `--calibration` runs these and counts the rows within 10% (peak memory) and 5%
+# (bytes over the links per parallelism).
+LLAMA_1B = ModelConfig(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192, vocab_size=128256,
+                       dtype="bfloat16", rope_theta=500000.0)
+MOE_1B = dataclasses.replace(LLAMA_1B, d_ff=4096, vocab_size=32000, moe=MoEConfig(num_experts=8, top_k=2))
+CALIBRATION = {
+    "1b dp x tp, ZeRO-1/h100-8": _cfg("1b", LLAMA_1B, dict(data=4, tensor=2), 32, 4096, zero=1),
+    "1b FSDP/v5p-16": _cfg("1b", LLAMA_1B, dict(data=8), 32, 4096, zero=3),
+    "1b dp x tp SP, ZeRO-3/h100-16": _cfg("1b", LLAMA_1B, dict(data=4, tensor=4), 32, 4096, zero=3,
+                                          sequence_parallel=True),
+    "1b GPipe, ZeRO-1/v5p-32": _cfg("1b", LLAMA_1B, dict(data=4, tensor=2, pipe=2), 32, 4096, zero=1, microbatches=8),
+    "1b circular/h100-16": _cfg("1b", LLAMA_1B, dict(data=4, pipe=4), 32, 4096, zero=1, microbatches=8,
+                                schedule="circular", repeats=2),
+    "1b 1F1B/v5p-32": _cfg("1b", LLAMA_1B, dict(data=4, pipe=4), 32, 4096, zero=1, microbatches=8, schedule="1f1b"),
+    "1b FP8 dp x tp/h100-8": _cfg("1b", LLAMA_1B, dict(data=4, tensor=2), 32, 4096, zero=1, fp8=True),
+    "moe-1b ep, ZeRO-3/v5p-32": _cfg("moe-1b", MOE_1B, dict(data=4, expert=4), 32, 4096, zero=3),
+    "moe-1b dp x tp x ep/h100-16": _cfg("moe-1b", MOE_1B, dict(data=2, tensor=2, expert=4), 32, 4096, zero=1),
+}
+
 
 def row(key: str, dump: str | None = None) -> dict:
     """Compile one row and read it back (audit.audit: collectives, overlap, memory, FP8 GEMMs);
@@ -73,7 +94,7 @@ def row(key: str, dump: str | None = None) -> dict:
     from parallax.analysis.audit import audit, compile_step
     from parallax.parallel.targets import target
 
-    cfg, name = ROWS[key], key.split("/")[1]
+    cfg, name = {**ROWS, **CALIBRATION}[key], key.split("/")[1]
     t = target(name)
     started = time.perf_counter()
     a = audit(cfg, None, name)
@@ -96,32 +117,52 @@ def line(r: dict) -> str:
     xla = mem["xla"]["peak"] / GIB if mem["xla"] else float("nan")
     model = mem["model"]["total"] / GIB
     fits = "?" if r["hbm"] is None or not mem["xla"] else ("fits" if mem["xla"]["peak"] <= r["hbm"] else "DOES NOT FIT")
-    # compiled GiB per step per device, and the cost model's error against it
-    axes = ", ".join(f"{k} {v['bytes'] / GIB:.2f}" + (f" ({v['error'] * 100:+.0f}%)" if v["error"] is not None else "")
-                     for k, v in r["axes"].items())
+    # compiled GiB per step per device, and the cost model's error against it: in result buffers,
+    # then in bytes sent over the links (hlo.link_bytes: the same whatever kind the compiler chose)
+    err = lambda e: f"{e * 100:+.0f}%" if e is not None else "-"  # noqa: E731
+    axes = ", ".join(f"{k} {v['bytes'] / GIB:.2f} ({err(v['error'])}; links {v['links'] / GIB:.2f}, "
+                     f"{err(v['links_error'])})" for k, v in r["axes"].items())
     hidden = ", ".join(f"{k} {v['overlapped_fraction']:.0%}" for k, v in r["overlap"].items()
                        if v["overlapped_fraction"] is not None)
     fp8 = f"; FP8 GEMMs {r['fp8']['fp8_gemms']} of {r['fp8']['fp8_dot_general']}" if r["fp8"] else ""
     return (f"{r['row']:<22} {fits:<12} peak {xla:6.1f} GiB (model {model:6.1f}); collectives GiB/step "
-            f"(model error): {axes}; "
+            f"(model error; sent over the links, model error): {axes}; "
             f"overlapped: {hidden}{fp8}; compiled in {r['compile_s']:.0f} s")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", action="append", choices=sorted(ROWS), help="one row (repeatable); default: all")
+    ap.add_argument("--only", action="append", choices=sorted({**ROWS, **CALIBRATION}),
+                    help="one row (repeatable); default: all")
     ap.add_argument("--list", action="store_true", help="print the rows and their layouts")
     ap.add_argument("--dump", metavar="DIR", help="also write each row's compiled HLO text into DIR")
+    ap.add_argument("--calibration", action="store_true",
+                    help="the cost model's validation set (1B-class layouts on 8-16 devices) instead of ROWS")
     args = ap.parse_args()
+    rows = CALIBRATION if args.calibration else ROWS
     if args.list:
-        for key, cfg in ROWS.items():
+        for key, cfg in rows.items():
             mesh = " x ".join(f"{k} {v}" for k, v in dataclasses.asdict(cfg.mesh).items() if v > 1)
             print(f"{key:<22} {mesh} ({math.prod(v for v in dataclasses.asdict(cfg.mesh).values())} devices), "
                   f"ZeRO-{cfg.parallel.zero}, batch {cfg.train.global_batch} x {cfg.train.seq_len}")
         return
     print("compiled for the target, not run (jax 0.10.2; libtpu / jax-cuda12-plugin as installed)")
-    for key in args.only or list(ROWS):
-        print(line(row(key, args.dump)), flush=True)
+    done = []
+    for key in args.only or list(rows):
+        done.append(row(key, args.dump))
+        print(line(done[-1]), flush=True)
+    if args.calibration:
+        print(calibration_summary(done))
+
+
+def calibration_summary(rows: list[dict]) -> str:
+    """How many rows the cost model gets within issue 15's bounds: peak memory within 10% of the
+    compiler's, bytes over the links within 5% per parallelism (every family of the row)."""
+    mem = [r for r in rows if r["memory"]["error"] is not None and abs(r["memory"]["error"]) <= 0.10]
+    links = [r for r in rows if all(v["links_error"] is not None and abs(v["links_error"]) <= 0.05
+                                    for v in r["axes"].values())]
+    return (f"within 10% on peak memory: {len(mem)} of {len(rows)}; within 5% on the bytes over the links of "
+            f"every parallelism: {len(links)} of {len(rows)}")
 
 
 if __name__ == "__main__":

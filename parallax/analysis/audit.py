@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from parallax.analysis.hlo import (ATTENTION_KERNEL_NAMES, Collective, attention_kernels, collectives, dot_flops,
-                                   summarize, while_loops)
+                                   link_bytes, summarize, while_loops)
 from parallax.analysis.gemms import fp8_report
 from parallax.analysis.overlap import overlap_by_family, placement_of, placements
 from parallax.config import Config
@@ -128,6 +128,16 @@ class Row:
     conditional: bool
     sent: tuple[tuple[str, int], ...] = ()  # (element type on the wire, bytes per step), most bytes first
     overlapped: int = 0  # of `bytes`: asynchronous with compute scheduled between start and done
+    group: int = 1  # devices in each group (the product of the axes' sizes)
+
+    @property
+    def links(self) -> float:
+        """Bytes per step one device sends over its links (hlo.link_bytes)."""
+        return float(link_bytes(self.kind, self.bytes, self.group))
+
+    @property
+    def model_links(self) -> float:
+        return float(link_bytes(self.kind, self.model_bytes, self.group))
 
     @property
     def family(self) -> str:
@@ -166,19 +176,26 @@ def family_totals(rows: list[Row]) -> dict[str, dict[str, float]]:
     for r in rows:
         if r.family == "none":
             continue
-        f = out.setdefault(r.family, {"bytes": 0, "model_bytes": 0.0, "executions": 0, "model_executions": 0.0})
+        f = out.setdefault(r.family, {"bytes": 0, "model_bytes": 0.0, "executions": 0, "model_executions": 0.0,
+                                      "links": 0.0, "model_links": 0.0})
         f["bytes"] += r.bytes
         f["model_bytes"] += r.model_bytes
         f["executions"] += r.executions
         f["model_executions"] += r.model_executions
+        f["links"] += r.links
+        f["model_links"] += r.model_links
     for f in out.values():
         f["error"] = f["model_bytes"] / f["bytes"] - 1 if f["bytes"] and f["model_bytes"] else None
+        # the same comparison in bytes sent over the links: invariant to the kind a compiler chose
+        f["links_error"] = f["model_links"] / f["links"] - 1 if f["links"] and f["model_links"] else None
     return out
 
 
-def compare_collectives(found: list[Collective], terms: list, placed: dict | None = None) -> list[Row]:
+def compare_collectives(found: list[Collective], terms: list, placed: dict | None = None,
+                        mesh_shape: dict[str, int] | None = None) -> list[Row]:
     """Group compiled collectives and model terms by (mesh axes, kind) and set them side by side.
-    `placed`: overlap.placements of the same program (the overlapped bytes per row).
+    `placed`: overlap.placements of the same program (the overlapped bytes per row); `mesh_shape`:
+    the group sizes for the bytes sent over the links (Row.links; without it, groups of 1).
 
     The model's static executions (conditional branches on every trip) are what the HLO counts.
     """
@@ -205,8 +222,9 @@ def compare_collectives(found: list[Collective], terms: list, placed: dict | Non
     for key in sorted(set(compiled) | set(model), key=lambda k: (k[1], k[0])):
         c = compiled.get(key, {"ops": 0, "executions": 0, "bytes": 0})
         m = model.get(key, [0.0, 0.0, []])
+        group = math.prod((mesh_shape or {}).get(a, 1) for a in key[1])
         rows.append(Row(key[1], key[0], c["ops"], c["executions"], c["bytes"], m[0], m[1], tuple(m[2]), key in cond,
-                        tuple(sorted(sent.get(key, {}).items(), key=lambda kv: -kv[1])), hidden.get(key, 0)))
+                        tuple(sorted(sent.get(key, {}).items(), key=lambda kv: -kv[1])), hidden.get(key, 0), group))
     return rows
 
 
@@ -221,7 +239,7 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
     platform = "cpu" if step.platform == "cpu" else "accelerator"
     found = collectives(step.hlo, step.mesh_shape)
     placed = placements(step.hlo)
-    rows = compare_collectives(found, collective_terms(w, g, platform), placed)
+    rows = compare_collectives(found, collective_terms(w, g, platform), placed, step.mesh_shape)
     families = family_totals(rows)
     modelled = {k for k, v in families.items() if v["model_bytes"] > 0}
     # The attention the compiled program runs (its custom calls), which the cost model then counts:
@@ -313,8 +331,10 @@ def format_report(a: dict, title: str) -> str:
                  "over data and/or expert; expert: the MoE all-to-alls):")
     for axis, f in a["axes"].items():
         err = f"{f['error'] * 100:+.1f}%" if f["error"] is not None else "-"
+        links = f"{f['links_error'] * 100:+.1f}%" if f["links_error"] is not None else "-"
         lines.append(f"  {axis:<8} compiled {f['executions']:>6} runs {_mib(f['bytes']):>14}   model "
-                     f"{f['model_executions']:>7.0f} runs {_mib(f['model_bytes']):>14}  {err:>7}")
+                     f"{f['model_executions']:>7.0f} runs {_mib(f['model_bytes']):>14}  {err:>7};   sent over the "
+                     f"links: compiled {_mib(f['links'])}, model {_mib(f['model_links'])} ({links})")
     lines.append("overlap in the compiled schedule (asynchronous, with compute scheduled between start and done; "
                  "the rest exposed):")
     for axis, o in a["overlap"].items():

@@ -287,7 +287,11 @@ class _Reduction:
 
     @classmethod
     def of(cls, s: Dims) -> _Reduction:
-        scatter = (s.zero > 0) & (not s.cpu)
+        # Pipelined, ZeRO-1 is all-reduce on every compiler (compiled for v5e-8 and h100-8): the
+        # stage gradients are summed where the shard_map is transposed, whole, and the update's
+        # slice is not beside it; the vocabulary ends' gradients too. ZeRO-3's gathers transpose
+        # to reduce-scatters.
+        scatter = (s.zero > 0) & (not s.cpu) & (~s.piped | (s.zero == 3))
         split = (s.d > 1) & (s.ep > 1) & ((s.zero == 1) | scatter) & ~s.piped
         return cls(_batch_axes(s.g), (("all-reduce", ~scatter, 1), ("reduce-scatter", scatter, s.dp)), scatter, split)
 

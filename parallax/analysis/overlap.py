@@ -39,7 +39,8 @@ _ASYNC_KINDS = "|".join(KINDS)
 _START = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*? (?:(" + _ASYNC_KINDS + r")-start|async-start)\(")
 _DONE_OF = re.compile(r"^\s*(?:ROOT )?%\S+ = .*? (?:[a-z-]+-done|async-done)\(%([^,\s)]+)")
 _OPCODE = re.compile(r"^\s*(?:ROOT )?%\S+ = (?:\(.*?\)|\S+) ([a-z][\w\-]*)\(")
-_CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations|called_computations)="
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation|"
+                     r"called_computations)="
                      r"(\{[^}]*\}|%[^,\s}]+)")
 _KERNEL_TARGET = re.compile(r'custom_call_target="([^"]*(?:gemm|matmul|cublas|cudnn|fmha|tpu_custom_call|'
                             r'mosaic)[^"]*)"', re.IGNORECASE)
