@@ -4,7 +4,8 @@ by the audit (collectives with the dtype they send, overlap in the schedule, FP8
 
 Layouts (the tiny model of test_targets, bf16 compute; one compile per target and layout, about
 3 minutes on 2 cores for both targets): dense data x tensor, ZeRO-3 in bf16 and in f32, GPipe,
-MoE over `expert` (capacity all-to-all; ragged on the GPU), sequence parallelism. FP8 GEMMs are
+MoE over `expert` (capacity all-to-all; ragged on the GPU), sequence parallelism (and with remat
+full, a chunked loss head and ZeRO-3), 1F1B with ZeRO-1. FP8 GEMMs are
 test_targets.py's (h100-8). What the claims are and what the compilers said: BUILD_NOTES.md,
 "Overlap, dtypes and FP8 GEMMs read from the real compilers".
 
@@ -17,7 +18,7 @@ import re
 import pytest
 
 from parallax.analysis.audit import FAST_COMPILE, audit, compile_step
-from parallax.analysis.hlo import collectives
+from parallax.analysis.hlo import collectives, link_bytes
 from parallax.analysis.overlap import Placement, placement_of, placements
 from parallax.config import Config, Fp8Config, MeshConfig, MoEConfig, ParallelConfig, TrainConfig
 from test_targets import CFG, MODEL, cuda_plugin, libtpu  # noqa: F401 - fixtures: a failure under CI without them
@@ -40,6 +41,12 @@ LAYOUTS = {
                                                                   capacity_factor=0)), train=BATCH),
     "sp": Config(name="sp", mesh=MeshConfig(data=4, tensor=2), model=MODEL,
                  parallel=ParallelConfig(sequence_parallel=True), train=BATCH),
+    "zero1": Config(name="z1", mesh=MeshConfig(data=4, tensor=2), model=MODEL, parallel=ParallelConfig(zero=1),
+                    train=BATCH),
+    # 1F1B's ticks are conditionals (XLA:GPU writes them with true_/false_computation); ZeRO-1
+    "f1b_zero1": Config(name="f1b", mesh=MeshConfig(data=2, tensor=2, pipe=2), model=MODEL,
+                        parallel=ParallelConfig(microbatches=4, schedule="1f1b", zero=1),
+                        train=TrainConfig(global_batch=16, seq_len=64)),
     # recomputed gathers, a loss head in 2 chunks, ZeRO-3's weight gathers
     "sp_chunked": Config(name="spc", mesh=MeshConfig(data=4, tensor=2), model=MODEL,
                          parallel=ParallelConfig(sequence_parallel=True, remat="full", zero=3, loss_chunk=32),
@@ -210,6 +217,85 @@ def test_sequence_parallel_tensor_collectives_and_zero3_gathers_equal_the_cost_m
     assert len(rows) == 3 and all(abs(r["error"]) < 0.01 for r in rows), rows
     # every activation gather in the compute dtype, on XLA:GPU too
     assert all(_mostly(r, "bf16") for r in _rows(a, ("tensor",), "all-gather")), _rows(a, ("tensor",), "all-gather")
+
+
+def test_pipelined_zero1_and_1f1b_conditionals_equal_the_cost_model(target):
+    """1F1B with ZeRO-1: the tensor collectives inside the ticks' conditionals are counted on
+    every trip on both compilers (XLA:GPU names the branches true_computation/false_computation,
+    which the audit once did not follow: 11 of 55 tensor runs); the stage gradients are reduced
+    by an all-reduce, not the reduce-scatter ZeRO-1 gets outside a pipeline (the sum is made
+    where the shard_map is transposed, whole), and so are the head-side tables the stages return;
+    the embedding table's gradient, outside the stages, is reduce-scattered: the model says so. Bytes within 1% (measured:
+    exact but for the scalars). The pipe family is not asserted: XLA:GPU merges the head
+    gradients' psum over pipe into their reduction over data (one all-reduce over both)."""
+    a = _audit(target, "f1b_zero1")
+    for family in ("data", "tensor"):
+        assert abs(a["axes"][family]["error"]) < 0.01, (family, a["axes"][family])
+    # the stages' gradients all-reduced; only the embedding table, outside the stages, scattered
+    (scattered,) = _rows(a, ("data",), "reduce-scatter")
+    assert abs(scattered["error"]) < 0.01 and scattered["model"] == ["embedding, head and final-norm gradients"]
+    sends = _rows(a, ("pipe",), "collective-permute")
+    assert len(sends) == 1 and sends[0]["executions"] == sends[0]["model_executions"] and sends[0]["error"] == 0
+
+
+def test_gpu_zero1_reduce_scatters_every_gradient_the_vocabulary_tables_too(cuda_plugin):  # noqa: F811
+    """ZeRO-1 outside a pipeline: every gradient reduction over data is a reduce-scatter on
+    XLA:GPU, the embedding and head tables' too (vocab.VocabPins.reduce leaves their sum to the
+    update's layout; pinned to the tables' compute layout they were all-reduced whole), and the
+    data family equals the cost model's bytes. (XLA:TPU all-reduces some small attention
+    gradients at this tiny shape; v5p all of them: BUILD_NOTES.md.)"""
+    a = _audit("h100-8", "zero1")
+    assert not [r for r in _rows(a, ("data",), "all-reduce") if r["bytes"] > 4096], _rows(a, ("data",), "all-reduce")
+    assert abs(a["axes"]["data"]["error"]) < 0.01, a["axes"]["data"]
+
+
+def test_link_bytes_set_a_ring_reduce_scatter_beside_its_permutes():
+    """hlo.link_bytes: what one device sends by the bandwidth-optimal ring, per result buffer.
+    A reduce-scatter over 4 of a 128 MiB shard sends 3 shards, as the ring of 3 permutes of the
+    shard that XLA:TPU's collective matmul writes it as (Llama-3-70B on v5p-512)."""
+    shard = 128 * 2**20
+    assert link_bytes("reduce-scatter", shard, 4) == 3 * link_bytes("collective-permute", shard, 2)
+    assert link_bytes("all-gather", 4 * shard, 4) == 3 * shard
+    assert link_bytes("all-reduce", 4 * shard, 4) == 6 * shard  # reduce-scatter + all-gather
+    assert link_bytes("all-reduce", shard, 1) == 0  # a group of one sends nothing
+
+
+def test_a_conditional_with_true_and_false_computations_runs_per_trip():
+    """A conditional on a pred (`true_computation=`, `false_computation=`) inside a loop: its
+    branches' collectives run once per trip (an upper bound: marked conditional)."""
+    hlo = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%busy (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %all-reduce.1 = f32[8]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+}
+
+%idle (q: f32[8]) -> f32[8] {
+  ROOT %q = f32[8]{0} parameter(0)
+}
+
+%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%t), index=1
+  %c = pred[] constant(true)
+  %y = f32[8]{0} conditional(%c, %x, %x), true_computation=%busy, false_computation=%idle
+  ROOT %o = (s32[], f32[8]) tuple(%i, %y)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+    (c,) = collectives(hlo, {"data": 2})
+    assert (c.executions, c.conditional) == (6, True)
 
 
 def test_a_tpu_async_collective_fusion_chain_is_one_collective():

@@ -10,7 +10,8 @@ What it models is parallax's own program, not an idealised one:
   when recomputed), one before the head, one of the embedding's cotangent; the norm scales'
   partial gradients; pipe sends and psums carry 1/t.
 - data: the gradient all-reduce moves the tensor-sharded parameter bytes, per layer inside the
-  backward loop, or once after the tick loop when pipelined: matmul-weight gradients in
+  backward loop (a reduce-scatter under ZeRO on GPU/TPU), or once after the tick loop when
+  pipelined (an all-reduce there under ZeRO-1 too, a reduce-scatter under ZeRO-3): matmul-weight gradients in
   `parallel.grad_reduce_dtype` (layers.param_matmul; float32 on XLA:CPU, which promotes bf16
   collectives, and inside a pipeline, whose stage gradients are reduced as the float32 master's
   cotangent where the shard_map is transposed), norm scales and the MoE router in float32; ZeRO-1 all-gathers the
@@ -287,11 +288,7 @@ class _Reduction:
 
     @classmethod
     def of(cls, s: Dims) -> _Reduction:
-        # Pipelined, ZeRO-1 is all-reduce on every compiler (compiled for v5e-8 and h100-8): the
-        # stage gradients are summed where the shard_map is transposed, whole, and the update's
-        # slice is not beside it; the vocabulary ends' gradients too. ZeRO-3's gathers transpose
-        # to reduce-scatters.
-        scatter = (s.zero > 0) & (not s.cpu) & (~s.piped | (s.zero == 3))
+        scatter = (s.zero > 0) & (not s.cpu)
         split = (s.d > 1) & (s.ep > 1) & ((s.zero == 1) | scatter) & ~s.piped
         return cls(_batch_axes(s.g), (("all-reduce", ~scatter, 1), ("reduce-scatter", scatter, s.dp)), scatter, split)
 
@@ -338,7 +335,10 @@ def _stage_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
     size), then reduce-scatters over data. (1F1B: pipeline_1f1b's pmean of `g_chunk`.)"""
     on_data, piped, dp, z3 = s.d > 1, s.piped, s.dp, s.zero == 3
     zero3_e = piped & z3 & (s.ep > 1)
-    for kind, on in (("all-reduce", ~(r.scatter | z3)), ("reduce-scatter", r.scatter | z3)):
+    # ZeRO-1 too is an all-reduce here on every compiler (compiled for v5e-8 and h100-8): the
+    # stage gradients are summed whole where the shard_map is transposed, and the update's slice
+    # is not beside the sum. ZeRO-3's gathers transpose to reduce-scatters.
+    for kind, on in (("all-reduce", ~z3), ("reduce-scatter", z3)):
         scattered = kind == "reduce-scatter"
         out.add(r.axes, kind, "layer gradients (once, after the tick loop)",
                 4 * s.units_dev * s.unit_ne / (dp if scattered else 1), 1, (dp > 1) & on & piped & ~zero3_e, "exposed",
@@ -358,9 +358,14 @@ def _outer_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
     (seen compiling for TPU), and the real one outside, in grad_reduce_dtype."""
     f1b, dp, split = s.f1b, s.dp, r.split
     tables = np.where(f1b, s.gb * s.embed_t + 4 * (s.embed_t + s.head_t), s.gb * (s.embed_t + s.head_t))
+    # 1F1B's g_outer (the head-side tables and the final norm) is summed whole where the stage
+    # shard_map is transposed, an all-reduce as the stage gradients; the rest as ZeRO asks
+    inside = np.where(f1b, 4 * (s.embed_t + s.head_t + s.D), 0)
     for kind, on, shard in r.kinds:
-        out.add(r.axes, kind, "embedding, head and final-norm gradients", (tables + 4 * s.D) / shard, 1,
+        out.add(r.axes, kind, "embedding, head and final-norm gradients", (tables + 4 * s.D - inside) / shard, 1,
                 (dp > 1) & on & ~split, "backward", None, dp)
+    out.add(r.axes, "all-reduce", "head-side table and final-norm gradients (1F1B, where the stages are transposed)",
+            inside, 1, (dp > 1) & f1b & ~split, "exposed", None, dp)
     # ZeRO-1 with experts: the tables' gradients leave the vocabulary ends (model/vocab.py) pinned
     # to their compute layout, so they are reduced over data x expert at once, whole
     out.add(r.axes, "all-reduce", "embedding and head gradients (ZeRO-1 with experts)", tables, 1, split, "backward",

@@ -34,10 +34,14 @@ F1B_WORKING = 1.5  # 1F1B: the stage vjp's backward temporaries on top of its re
 # MoE FFN residuals per slot (D- and F-sized, activation dtype) and per token (float32 [E]-sized
 # router buffers), un-rematted: see "Cost model: MoE" in BUILD_NOTES.md for the fit.
 MOE_SLOT_D, MOE_SLOT_F, MOE_ROUTER, MOE_WORKING = 0.64, 5.9, 17.0, 1.5
-# On accelerators (the planner; not measured here, no GPU run): one layer's residuals as the
-# working set, the same logits buffers, bfloat16 activations stay bfloat16.
-ACCEL_WORKING = 1.0
-ACCEL_LOGITS = 3.0
+# On accelerators, fitted on the compiled peaks of nine 1B-class layouts for v5p and H100 targets
+# (`experiments/targets.py --calibration`, BUILD_NOTES.md "The cost model against the real
+# compilers"): one layer's backward keeps 1.3x its un-rematted residuals live; the loss head's
+# chunk is one [B, chunk, V/tensor] buffer in the compute dtype (the GEMM's output; the
+# log-sum-exp work fused around it), 0.5 of the float32 unit; and the two are not live at once
+# (memory_parts: the larger counts). bfloat16 activations stay bfloat16.
+ACCEL_WORKING = 1.3
+ACCEL_LOGITS = 0.5
 
 
 @dataclass(frozen=True)
@@ -356,6 +360,11 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
         # the peak (d8_full_bf16 of tests/test_cost_validation.py: +24 KiB = 2 x [B, T, D] f32).
         # On accelerators the scatter runs at the end of the backward pass, after the peak.
         logits = logits + head_tok * vocab_t * 4 + s.tok * D * 4
+    if not s.cpu:
+        # The accelerator compilers free the head's chunk before the blocks' backward pass: the
+        # peak holds one or the other (calibrated: ACCEL_WORKING); XLA:CPU's holds both (CPU_LOGITS)
+        head_peak = logits > work
+        work, logits = np.where(head_peak, 0.0, work), np.where(head_peak, logits, 0.0)
     # ZeRO-3 with the `none` policy keeps every gathered layer for the backward pass on XLA:CPU
     # (see above; in the compute dtype: the matmul weights are cast before their gather,
     # constrain_param); XLA:TPU gathers them again in the backward pass instead (compiled for

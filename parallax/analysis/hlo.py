@@ -9,9 +9,12 @@ flattened mesh (`use_global_device_ids`), so a group is the set of flat indices 
 Loop bodies run once per trip: a collective inside the scanned layer stack is counted
 `known_trip_count` times per step, or, where the compiler gives none (the TPU compiler), the trip
 count read from the loop's condition (_derived_trip_count); a loop of neither form is reported
-with an unknown count. Matmul FLOPs are read from dots and, as the TPU compiler writes every
-dot_general, from convolutions (conv_macs). The MoE all-to-alls over `expert` form their own family beside
-data, tensor and pipe (expert_parallel.py; cost.py models them).
+with an unknown count; a conditional's branches (`branch_computations`, or `true_computation` and
+`false_computation` on a pred: XLA:GPU's 1F1B ticks) once per trip of their loop. XLA:TPU's chains
+of async collective fusions (async_fusion_chains) are one collective each. Matmul FLOPs are read
+from dots and, as the TPU compiler writes every dot_general, from convolutions (conv_macs). The
+MoE all-to-alls over `expert` form their own family beside data, tensor and pipe
+(expert_parallel.py; cost.py models them).
 """
 
 from __future__ import annotations

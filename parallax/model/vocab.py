@@ -81,9 +81,12 @@ class VocabPins:
         accumulated over a loop (the loss's chunks), or one the partitioner must reduce right
         where a float32 op made it (a scatter-add), would otherwise be reduced in the loop
         (XLA:CPU did, once per chunk; the TPU compiler moved it out) or in float32.
-        lax.reduce, since jnp.sum adds bfloat16 in float32."""
+        lax.reduce, since jnp.sum adds bfloat16 in float32. The sum is left unpinned: the layout
+        the gradient is wanted in decides it (ZeRO-1's update slice: XLA:GPU then reduce-scatters;
+        pinned to the weight's compute layout it all-reduced the whole table, twice the bytes
+        over the links: 1 GiB more per step for a 1B model's tables on h100-8)."""
         dw = dw.astype(dtype)
-        return self.weight(lax.reduce(dw, jnp.zeros((), dtype), lax.add, (0,)))
+        return lax.reduce(dw, jnp.zeros((), dtype), lax.add, (0,))
 
 
 def _chunk_logits(xc: jax.Array, wc: jax.Array, dims: Any, dtype: Any, pins: VocabPins) -> jax.Array:
