@@ -225,9 +225,10 @@ def test_pipelined_zero1_and_1f1b_conditionals_equal_the_cost_model(target):
     which the audit once did not follow: 11 of 55 tensor runs); the stage gradients are reduced
     by an all-reduce, not the reduce-scatter ZeRO-1 gets outside a pipeline (the sum is made
     where the shard_map is transposed, whole), and so are the head-side tables the stages return;
-    the embedding table's gradient, outside the stages, is reduce-scattered: the model says so. Bytes within 1% (measured:
-    exact but for the scalars). The pipe family is not asserted: XLA:GPU merges the head
-    gradients' psum over pipe into their reduction over data (one all-reduce over both)."""
+    the embedding table's gradient, outside the stages, is reduce-scattered: the model says so.
+    Bytes within 1% (measured: exact but for the scalars). The pipe family is not asserted:
+    XLA:GPU merges the head gradients' psum over pipe into their reduction over data (one
+    all-reduce over both)."""
     a = _audit(target, "f1b_zero1")
     for family in ("data", "tensor"):
         assert abs(a["axes"][family]["error"]) < 0.01, (family, a["axes"][family])
