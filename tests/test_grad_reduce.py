@@ -313,7 +313,7 @@ TPU_CASES = {
     "zero3_bfloat16": dict(zero=3, grad="bfloat16"),
     # Pipelined (bf16 pipelines abort XLA:CPU, so only here): each stage's weight gradients leave
     # the shard_map as the float32 master's cotangent and are reduced over data in float32;
-    # the embedding and head are reduced by the partitioner, in grad_dtype (1F1B: the embedding).
+    # the embedding and head in grad_dtype (by the partitioner; 1F1B: inside the stages).
     "gpipe_bfloat16": dict(zero=0, grad="bfloat16", mesh=MeshConfig(data=2, tensor=2, pipe=2), schedule="gpipe"),
     "1f1b_bfloat16": dict(zero=0, grad="bfloat16", mesh=MeshConfig(data=2, tensor=2, pipe=2), schedule="1f1b"),
 }
@@ -391,8 +391,8 @@ def test_tpu_compiler_reduces_weight_gradients_in_grad_reduce_dtype(tpu_compiled
 def test_tpu_pipelined_gradient_bytes_match_the_accelerator_cost_model(tpu_compiled, case):
     """Pipelined, every gradient is reduced once per step (the stages' after the tick loop), so
     the TPU program's data-axis reduction bytes (every float array but scalars) are the cost
-    model's per step: stage weights float32, the embedding and head in grad_dtype (1F1B: its
-    head-side tables float32). Unpipelined layouts are held to the partitioned CPU HLO above
+    model's per step: stage weights float32, the embedding and head in grad_dtype (1F1B sums
+    them inside the stages). Unpipelined layouts are held to the partitioned CPU HLO above
     (the TPU compiler moves the norm-scale reductions out of the layer loop, whose trip count
     its HLO does not carry)."""
     cfg, mesh, hlo = tpu_compiled(case)

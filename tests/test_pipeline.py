@@ -184,6 +184,16 @@ def test_no_stage_weight_gathers_and_gradients_reduced_once(pipeline_hlo):
     assert pipe_reduce and not [c for c in pipe_reduce if c.in_loop]
 
 
+def test_table_schedules_embed_per_microbatch(pipeline_hlo):
+    """GPipe sums its stack output / input cotangents [B/data, T, D] over pipe; the table
+    schedules embed each microbatch on stage 0 inside the tick loop, so no whole-batch activation
+    is reduced over pipe (nor kept through the loop for it)."""
+    found, sched = pipeline_hlo
+    whole_batch = (B // 2) * T * MODEL.d_model * 4  # [B/data, T, D] fp32
+    summed = [c for c in found if "pipe" in c.axes and c.kind == "all-reduce" and c.bytes == whole_batch]
+    assert summed if sched.name == "gpipe" else not summed, summed
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input
 

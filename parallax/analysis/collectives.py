@@ -19,7 +19,7 @@ What it models is parallax's own program, not an idealised one:
   remat policy recomputes them), the embedding, head and final norm once.
 - pipe: GPipe/circular send two half-microbatches per tick forward and two in the transpose,
   1F1B one microbatch each way per tick; one psum of the stack output forward and backward (1F1B:
-  of the input cotangents and of the head gradients).
+  of the embedding and head gradients only: stage 0 embeds each microbatch in the tick loop).
 - expert (MoE): per MoE layer 2 all-to-alls of one device's [B/(data expert), E, C, D] slots
   forward and 2 backward (2 more when a remat policy recomputes the layer); over tensor the expert
   output [E/ep, B/data, C, D] is all-reduced (forward, and its input gradient backward); expert
@@ -202,10 +202,12 @@ def _outer_tensor_terms(s: Dims, out: _Terms) -> None:
     shards (max, sum, target logit), backward one partial sum of its input gradient. Sequence
     parallelism: transformer.Transformer.head_loss gathers the final norm's output, the embedding's table
     gradient the cotangent of its output, and the final norm's scale gradient is a partial sum.
-    1F1B runs the head per microbatch in a `lax.cond` (pipeline_1f1b), counted every tick."""
+    The table schedules run the embedding, its table gradient and the head per microbatch, each
+    in a `lax.cond` (pipeline_1f1b), counted every tick."""
     on_t, f1b, sp, t = s.t > 1, s.f1b, s.sp, s.t
     per_head, head_static = np.where(f1b, s.M, 1), np.where(f1b, s.ticks, 1)
-    out.partial_sum(s, "embedding forward (vocab-parallel)", s.act, 1, on_t)
+    act_run = np.where(f1b, s.act_m, s.act)
+    out.partial_sum(s, "embedding forward (vocab-parallel)", act_run, per_head, on_t, head_static)
     n = s.loss_chunks
     # (chunked: each chunk's input gradient is summed inside the chunk loop and written into the
     # whole-T cotangent, sliced to this device's T after the loop: an all-reduce per chunk)
@@ -213,8 +215,8 @@ def _outer_tensor_terms(s: Dims, out: _Terms) -> None:
                     head_static * n, sliced=n == 1)
     out.add(("tensor",), "all-gather", "sequence-parallel final-norm gather", np.where(f1b, s.act_m, s.act),
             per_head, on_t & sp, "exposed", head_static, t)
-    out.add(("tensor",), "all-gather", "sequence-parallel embedding cotangent gather", s.act, 1, on_t & sp, "exposed",
-            None, t)
+    out.add(("tensor",), "all-gather", "sequence-parallel embedding cotangent gather", act_run, per_head, on_t & sp,
+            "exposed", head_static, t)
     out.add(("tensor",), "all-reduce", "sequence-parallel final-norm scale gradient", 4 * s.D, per_head, on_t & sp,
             "exposed", head_static, t)
     rows_f32 = s.tok * 4  # one float32 value per token
@@ -247,8 +249,9 @@ def pipe_terms(s: Dims) -> list[Term]:
     stack outputs (only the last stage wrote them) and its transpose. The table schedules (1F1B,
     interleaved 1F1B, ZB-H1: pipeline_1f1b.make_scheduled_value_and_grad): one ppermute of
     activations and one of cotangents per tick of their table (ZB-H1: 3M + P - 1 unit ticks, both
-    sends every tick, one of them zeros where the stage ran no F or no B); psums of the input
-    cotangents `dx_all` and of the head gradients `g_outer`.
+    sends every tick, one of them zeros where the stage ran no F or no B); one psum of the
+    embedding and head gradients `g_outer` (stage 0 embeds each microbatch inside the tick loop,
+    so no input cotangents leave it).
     Sequence parallelism: what is sent or summed of the residual stream is T/t of it.
 
     Overlap: GPipe's first half-microbatch's send runs behind the second half's compute, and
@@ -262,9 +265,10 @@ def pipe_terms(s: Dims) -> list[Term]:
     out.add(("pipe",), "collective-permute", "stage cotangents backward", send, sends, on_p & ~f1b, "tick", None, 2)
     out.add(("pipe",), "collective-permute", "stage cotangents backward (1F1B)", send, sends, on_p & f1b, "exposed",
             None, 2)
-    out.add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act / s.sp_t, np.where(f1b, 1, 2),
-            on_p, "exposed", None, s.p)
-    out.add(("pipe",), "all-reduce", "head gradients (1F1B psum)", 4 * s.outer_t, 1, on_p & f1b, "exposed", None, s.p)
+    out.add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act / s.sp_t, 2, on_p & ~f1b,
+            "exposed", None, s.p)
+    out.add(("pipe",), "all-reduce", "embedding and head gradients (1F1B psum)", s.gb * (s.embed_t + s.head_t) + 4 * s.D,
+            1, on_p & f1b, "exposed", None, s.p)
     return out.terms
 
 
@@ -352,20 +356,15 @@ def _stage_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
 
 
 def _outer_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
-    """The embedding, head and final-norm gradients, once per step. 1F1B
-    (pipeline_1f1b.make_scheduled_value_and_grad) reduces the embedding twice: its (zero) head-side
-    gradient inside, as part of `g_outer`, which leaves the stage shard_map as float32 cotangents
-    (seen compiling for TPU), and the real one outside, in grad_reduce_dtype."""
+    """The embedding, head and final-norm gradients, once per step, as ZeRO asks (the table
+    schedules, pipeline_1f1b.make_scheduled_value_and_grad, sum them over `pipe` inside the stages
+    and leave the batch axes' sum to the partitioner, as here: after the tick loop)."""
     f1b, dp, split = s.f1b, s.dp, r.split
-    tables = np.where(f1b, s.gb * s.embed_t + 4 * (s.embed_t + s.head_t), s.gb * (s.embed_t + s.head_t))
-    # 1F1B's g_outer (the head-side tables and the final norm) is summed whole where the stage
-    # shard_map is transposed, an all-reduce as the stage gradients; the rest as ZeRO asks
-    inside = np.where(f1b, 4 * (s.embed_t + s.head_t + s.D), 0)
+    tables = s.gb * (s.embed_t + s.head_t)
     for kind, on, shard in r.kinds:
-        out.add(r.axes, kind, "embedding, head and final-norm gradients", (tables + 4 * s.D - inside) / shard, 1,
-                (dp > 1) & on & ~split, "backward", None, dp)
-    out.add(r.axes, "all-reduce", "head-side table and final-norm gradients (1F1B, where the stages are transposed)",
-            inside, 1, (dp > 1) & f1b & ~split, "exposed", None, dp)
+        for layouts, overlap in ((~f1b, "backward"), (f1b, "exposed")):
+            out.add(r.axes, kind, "embedding, head and final-norm gradients", (tables + 4 * s.D) / shard, 1,
+                    (dp > 1) & on & ~split & layouts, overlap, None, dp)
     # ZeRO-1 with experts: the tables' gradients leave the vocabulary ends (model/vocab.py) pinned
     # to their compute layout, so they are reduced over data x expert at once, whole
     out.add(r.axes, "all-reduce", "embedding and head gradients (ZeRO-1 with experts)", tables, 1, split, "backward",

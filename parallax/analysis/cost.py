@@ -316,9 +316,10 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     vocab_t = s.V / t
     # Saved activations. Plain: every layer once. GPipe/circular: every tick's chunk residuals
     # until the backward loop. Table schedules: the tick loop's buffers (schedules.buffer_slots:
-    # 1F1B about 2P stage inputs, interleaved vP + P chunk inputs, ZB-H1 2P + 1), the input cotangents
-    # [M, B/M, T, D], one stage's residuals (Lc layers) while its vjp runs, and the gradient
-    # accumulators carried through the tick loop.
+    # 1F1B about 2P stage inputs, interleaved vP + P chunk inputs, ZB-H1 2P + 1), one stage's
+    # residuals (Lc layers) while its vjp runs, and the gradient accumulators carried through the
+    # tick loop. (Stage 0 embeds each microbatch in its tick: no [M, B/M, T, D] embedding output
+    # or input cotangent is kept for the step.)
     plain_saved = s.L * (s.tok * saved_tok + saved_layer)
     # The circular schedule slices its chunk's weights per tick; without a remat policy the
     # backward keeps each slice (pipeline.stage_fn).
@@ -326,7 +327,7 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     gpipe_saved = s.ticks * (s.Lc * (tok_m * saved_tok + saved_layer) + chunk_slices)
     # Table schedules: the tick loop's input and cotangent buffers (schedules.buffer_slots)
     slots = buffer_slots(s.sched, s.p, s.M, s.r)
-    f1b_saved = (slots * tok_m * D * c + s.act) / sp_t + s.Lc * (tok_m * saved_tok + saved_layer) + 4 * s.params_t
+    f1b_saved = slots * tok_m * D * c / sp_t + s.Lc * (tok_m * saved_tok + saved_layer) + 4 * s.params_t
     activations = np.where(s.f1b, f1b_saved, np.where(s.piped, gpipe_saved, plain_saved))
     # save_attn_mlp: the unit whose backward runs at the peak holds its names in the working set
     # below (its un-rematted residuals), so they count once (measured on XLA:CPU: the compiled
@@ -359,7 +360,7 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
         # embedding's float32 cotangent for its scatter-add (vocab.param_take) was seen live at
         # the peak (d8_full_bf16 of tests/test_cost_validation.py: +24 KiB = 2 x [B, T, D] f32).
         # On accelerators the scatter runs at the end of the backward pass, after the peak.
-        logits = logits + head_tok * vocab_t * 4 + s.tok * D * 4
+        logits = logits + head_tok * vocab_t * 4 + np.where(s.f1b, tok_m, s.tok) * D * 4
     if not s.cpu:
         # The accelerator compilers free the head's chunk before the blocks' backward pass: the
         # peak holds one or the other (calibrated: ACCEL_WORKING); XLA:CPU's holds both (CPU_LOGITS)

@@ -44,6 +44,12 @@ _CALLS = re.compile(r"(calls|to_apply|body|condition|branch_computations|true_co
 _BRANCHES = ("branch_computations", "true_computation", "false_computation")
 
 
+def called(line: str) -> list[tuple[str, str]]:
+    """(attribute, computation) for every computation one HLO instruction line calls: fusions,
+    reductions, loop bodies and conditions, conditional branches, async wrappers."""
+    return [(attr, callee) for attr, targets in _CALLS.findall(line) for callee in re.findall(r"%([^,\s}]+)", targets)]
+
+
 @dataclass(frozen=True)
 class Collective:
     kind: str
@@ -234,15 +240,14 @@ def _loop_table(comps: dict[str, list[str]]) -> tuple[dict[str, int], set[str], 
                     op = re.search(r'op_name="([^"]*)"', line)
                     loops.append({"body": w.group(1), "computation": name, "trip_count": trip, "source": source,
                                   "op_name": op.group(1) if op else ""})
-            for attr, targets in _CALLS.findall(line):
-                for callee in re.findall(r"%([^,\s}]+)", targets):
-                    if callee not in comps or callee in runs:
-                        continue
-                    is_body = w is not None and callee == w.group(1)
-                    runs[callee] = runs[name] * (trip if (is_body and trip is not None) else 1)
-                    if attr in _BRANCHES or name in branched:
-                        branched.add(callee)
-                    stack.append(callee)
+            for attr, callee in called(line):
+                if callee not in comps or callee in runs:
+                    continue
+                is_body = w is not None and callee == w.group(1)
+                runs[callee] = runs[name] * (trip if (is_body and trip is not None) else 1)
+                if attr in _BRANCHES or name in branched:
+                    branched.add(callee)
+                stack.append(callee)
     return runs, branched, loops
 
 
@@ -528,9 +533,8 @@ def kernel_bytes(hlo: str) -> dict[str, float]:
     (on every trip: an upper bound)."""
     comps = _split_computations(hlo)
     runs, branched = _executions(comps)
-    fused = {callee for lines in comps.values() for line in lines for attr, targets in _CALLS.findall(line)
-             if attr in ("calls", "to_apply") and " fusion(" in line or attr == "to_apply"
-             for callee in re.findall(r"%([^,\s}]+)", targets)}
+    fused = {callee for lines in comps.values() for line in lines for attr, callee in called(line)
+             if attr in ("calls", "to_apply") and " fusion(" in line or attr == "to_apply"}
     total = conditional = 0.0
     for comp, lines in comps.items():
         if comp in fused or comp not in runs:

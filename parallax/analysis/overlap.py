@@ -33,15 +33,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from parallax.analysis.hlo import KINDS, Collective, async_fusion_chains, collective_names, computations
+from parallax.analysis.hlo import KINDS, Collective, async_fusion_chains, called, collective_names, computations
 
 _ASYNC_KINDS = "|".join(KINDS)
 _START = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*? (?:(" + _ASYNC_KINDS + r")-start|async-start)\(")
 _DONE_OF = re.compile(r"^\s*(?:ROOT )?%\S+ = .*? (?:[a-z-]+-done|async-done)\(%([^,\s)]+)")
 _OPCODE = re.compile(r"^\s*(?:ROOT )?%\S+ = (?:\(.*?\)|\S+) ([a-z][\w\-]*)\(")
-_CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation|"
-                     r"called_computations)="
-                     r"(\{[^}]*\}|%[^,\s}]+)")
 _KERNEL_TARGET = re.compile(r'custom_call_target="([^"]*(?:gemm|matmul|cublas|cudnn|fmha|tpu_custom_call|'
                             r'mosaic)[^"]*)"', re.IGNORECASE)
 
@@ -56,7 +53,7 @@ class Placement:
 
 
 def _callees(line: str) -> list[str]:
-    return [c for targets in _CALLED.findall(line) for c in re.findall(r"%([^,\s}]+)", targets)]
+    return [callee for _, callee in called(line)]
 
 
 def _is_kernel(line: str) -> bool:

@@ -45,6 +45,7 @@ def gather_normed(h: jax.Array) -> jax.Array:
         h = jax.lax.optimization_barrier(h)
     return constrain(h, NORMED)
 
+
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs
     # Selective: keep matmul outputs, recompute the cheap elementwise work (norms, silu, rope).

@@ -9,12 +9,13 @@ buffer slots) and
 
   - stores what arrived (last tick's activation from stage s-1, cotangent from stage s+1) in the
     slot the table names: in the ZB-H1 order data may wait ticks before its op runs;
-  - F: runs chunk c of microbatch i on its input (stage 0's chunk 0: the embedding output) and
-    keeps only that input; after the last chunk on the last stage, runs the loss head at once and
-    stores its cotangent;
+  - F: runs chunk c of microbatch i on its input and keeps only that input (stage 0's chunk 0
+    first embeds the microbatch's tokens, as Megatron's first stage does); after the last chunk on
+    the last stage, runs the loss head at once and stores its cotangent;
   - B: `jax.vjp` of chunk c recomputed from the buffered input, applied to the buffered output
     cotangent: input and weight gradients (1F1B, interleaved), or only the input gradient and the
-    FP8 state (ZB-H1's split backward);
+    FP8 state (ZB-H1's split backward); on stage 0's chunk 0 the input gradient goes straight
+    into the embedding table's gradient (a scatter-add);
   - W (ZB-H1): `jax.vjp` of the chunk w.r.t. its weights from the same input and cotangent,
     deferred to where the table puts it (the weight-gradient accumulation stays float32);
   - sends its F's output forward and its B's input gradient backward round the ring with
@@ -22,9 +23,11 @@ buffer slots) and
 
 Live activation memory per stage is the table's buffers (1F1B at most 2P-1 stage inputs,
 interleaved vP+P-1 chunk inputs, ZB-H1 P+1 inputs and P cotangents) plus one chunk's residuals,
-instead of M + P - 1 ticks of residuals. Idle ops are skipped with `lax.cond` (a real conditional
-per device); ticks run in lockstep (each ends with the ring sends), so a tick lasts as long as its
-busiest stage (schedules.py states each table's tick model and bubble). The price is a recomputed
+instead of M + P - 1 ticks of residuals; nothing of the whole batch's [B, T, D] lives through the
+loop (embedding the batch before it kept its output and its input cotangent, [M, B/M, T, D] each,
+on every stage). Idle ops are skipped with `lax.cond` (a real conditional per device); ticks run
+in lockstep (each ends with the ring sends), so a tick lasts as long as its busiest stage
+(schedules.py states each table's tick model and bubble). The price is a recomputed
 forward in every backward (HFU > MFU), twice in ZB-H1 (B and W each recompute, and W's weight
 gradients need the input-gradient chain again): BUILD_NOTES.md has the compiled flops.
 
@@ -49,8 +52,10 @@ Gradients are reduced once per step, after the tick loop: every device's loss is
 the global mean (1/(M x batch shards) of its rows' mean per microbatch), so a weight's gradient is
 the sum over the batch axes it is replicated on (a reduce-scatter over `data` for a ZeRO-3 weight,
 nothing over `expert` for an expert's weight, whose gradient already holds every shard's tokens
-through the all-to-all's transpose). Scaling the share in, rather than averaging after, keeps
-every cotangent inside the loop the global loss's: FP8's gradient amaxes are one device's.
+through the all-to-all's transpose; the vocabulary tables and the final norm leave the stages
+one per batch shard, their sum left to the layout ZeRO gives the update). Scaling the share in,
+rather than averaging after, keeps every cotangent inside the loop the global loss's: FP8's
+gradient amaxes are one device's.
 
 """
 
@@ -146,6 +151,7 @@ def make_scheduled_value_and_grad(
     for a table schedule (1F1B, interleaved 1F1B, ZB-H1: `sched.table()`).
     `batch_shards`: Parallelism.batch_shards, the devices the batch is split over."""
     p, m, v = sched.stages, sched.microbatches, sched.repeats
+    table_dtype = jnp.dtype(model.grad_dtype or jnp.float32)  # the vocabulary tables' gradient sum
     tab = sched.table()
     manual = {PIPE, *BATCH_AXES}
     c = model.cfg
@@ -171,7 +177,11 @@ def make_scheduled_value_and_grad(
         variables = {"params": outer, **({FP8_COLLECTION: _as_meta(head_fp8)} if head_fp8 else {})}
         return head_model.apply(variables, y, targets, loss_mask, method=Transformer.head_loss) * weight  # summed below
 
-    def body(chunks, outer, micro_x, micro_t, fp8_chunks, head_fp8, micro_docs, kept_total):
+    def embed(outer: Any, tokens: jax.Array) -> jax.Array:
+        # [b, T] -> [b, T, D] in the compute dtype: one microbatch's embedding on stage 0
+        return model.apply({"params": outer}, tokens, method=Transformer.embed_tokens)
+
+    def body(chunks, outer, micro_tok, micro_t, fp8_chunks, head_fp8, micro_docs, kept_total):
         s = jax.lax.axis_index(PIPE)
         # Everything a gradient is taken of is marked varying over the batch axes up front, so no
         # implicit reduction lands inside the loop; gradients are reduced over them once, below.
@@ -187,8 +197,9 @@ def make_scheduled_value_and_grad(
             return (y, vary(jnp.asarray(router, jnp.float32), (*BATCH_AXES, PIPE))), stats
 
         outer = jax.tree.map(lambda o: vary(o, (*BATCH_AXES, PIPE)), outer)
-        micro_x, micro_t = vary(micro_x, (PIPE,)), vary(micro_t, (PIPE,))
-        zeros_x = jnp.zeros_like(micro_x[0])
+        micro_tok, micro_t = vary(micro_tok, (PIPE,)), vary(micro_t, (PIPE,))
+        x_type = jax.eval_shape(embed, outer, micro_tok[0])  # [b, T, D], the compute dtype
+        zeros_x = jnp.zeros(x_type.shape, x_type.dtype)
         varying = lambda a: vary(a, (*BATCH_AXES, PIPE))  # noqa: E731
         ones = lambda: varying(jnp.ones((), jnp.float32))  # noqa: E731  (the router losses' cotangent)
 
@@ -200,7 +211,7 @@ def make_scheduled_value_and_grad(
             return (seg, pos), lm
 
         def tick(carry, row):
-            recv_f, recv_b, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc, dx_all = carry
+            recv_f, recv_b, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc = carry
             op = {k: a[s] for k, a in row.items()}  # this stage's row of the table
             # what arrived goes to its slot (or the trash slot): in the interleaved and ZB-H1
             # orders it may be consumed ticks later
@@ -208,8 +219,12 @@ def make_scheduled_value_and_grad(
             # F: chunk c_f on microbatch i_f (it reads the FP8 state; the B's recomputation records it)
             f_busy, c_f, i_f = op["f_busy"] == 1, op["f_chunk"], op["f_mb"]
             docs_f, mask_f = docs_of(i_f)
-            fresh = jax.lax.dynamic_index_in_dim(micro_x, i_f, keepdims=False)
-            inp = jnp.where((s == 0) & (c_f == 0), fresh, _get(act, op["f_act"]))
+            # stage 0's first chunk embeds its microbatch here, one at a time (Megatron's first
+            # stage): no [M, B/M, T, D] embedding output or input cotangent lives through the loop
+            first_f = f_busy & (s == 0) & (c_f == 0)
+            tokens_f = jax.lax.dynamic_index_in_dim(micro_tok, i_f, keepdims=False)
+            inp = jax.lax.cond(first_f, lambda a: varying(embed(outer, a[0])), lambda a: a[1],
+                               (tokens_f, _get(act, op["f_act"])))
             act = _put(act, inp, op["f_act"])  # kept for the B (and W) that recompute from it
 
             def forward(x):
@@ -265,9 +280,17 @@ def make_scheduled_value_and_grad(
             if not tab.split:  # weight gradients accumulate in float32 whatever the compute dtype
                 g_w = _add_at(g_w, c_b, d_w, v)
             new_fp8 = _add_at(new_fp8, c_b, d_fp8, v, jnp.maximum)
-            done = b_busy & (s == 0) & (c_b == 0)
-            prev = jax.lax.dynamic_index_in_dim(dx_all, i_b, keepdims=False)
-            dx_all = jax.lax.dynamic_update_index_in_dim(dx_all, jnp.where(done, dx, prev), i_b, 0)
+            # stage 0's first chunk: dx is its embedding's output cotangent; the table's gradient
+            # (a scatter-add) is added where it is computed, so idle ticks add nothing
+            tokens_b = jax.lax.dynamic_index_in_dim(micro_tok, i_b, keepdims=False)
+
+            def embed_grad(args):
+                g, tokens, ct = args
+                _, vjp = jax.vjp(lambda e: embed({**outer, "embed": e}, tokens), outer["embed"])
+                return jax.tree.map(jnp.add, g, vjp(ct)[0])
+
+            g_outer = {**g_outer, "embed": jax.lax.cond(b_busy & (s == 0) & (c_b == 0), embed_grad, lambda a: a[0],
+                                                        (g_outer["embed"], tokens_b, dx))}
             if tab.split:  # W: the weight gradient, recomputed from the same input and cotangent
                 w_busy, c_w, i_w = op["w_busy"] == 1, op["w_chunk"], op["w_mb"]
                 docs_w, _ = docs_of(i_w)
@@ -288,7 +311,7 @@ def make_scheduled_value_and_grad(
             sent_f = jax.lax.ppermute(out, PIPE, fwd_ring)
             sent_b = jax.lax.ppermute(dx, PIPE, bwd_ring)
             return (sent_f, sent_b, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce + value, router + r_value,
-                    acc, dx_all), None
+                    acc), None
 
         init = (
             zeros_x, zeros_x,
@@ -296,35 +319,41 @@ def make_scheduled_value_and_grad(
             jnp.zeros((tab.cot_slots + 1, *zeros_x.shape), zeros_x.dtype),
             jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights), jax.tree.map(jnp.zeros_like, outer),
             None, None, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-            {k: jnp.zeros((v, *shape), jnp.float32) for k, shape in stat_shapes.items()}, jnp.zeros_like(micro_x),
+            {k: jnp.zeros((v, *shape), jnp.float32) for k, shape in stat_shapes.items()},
         )
         init = jax.tree.map(varying, init)  # loop carries vary everywhere
         # ... but the FP8 states vary as the state itself does: over `pipe` only (fp8.quantize's pmax)
         init = (*init[:6], _nothing_like(fp8_all), _nothing_like(head_fp8), *init[8:])
         rows = {k: jnp.asarray(a) for k, a in tab.arrays.items()}  # [ticks, P] each
         carry, _ = jax.lax.scan(tick, init, rows)
-        _, _, _, _, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc, dx_all = carry
+        _, _, _, _, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc = carry
         g_w = jax.tree.map(_reduce, g_w, param_specs, is_leaf=lambda a: isinstance(a, P))
-        # The embedding/head gradients: replicated weights, one all-reduce (only the last stage's
-        # head and stage 0's embedding cotangent are non-zero over `pipe`).
         # (over the batch axes, then over `pipe`: one reduction over both would be one all-reduce
         # over every device, not the two small groups the cost model counts)
         total = lambda x: jax.lax.psum(jax.lax.psum(x, BATCH_AXES), PIPE)  # noqa: E731
-        g_outer = jax.tree.map(total, g_outer)
+        # The embedding, head and final-norm gradients: summed over `pipe` here (only stage 0's
+        # embedding and the last stage's head are non-zero), and left one per batch shard
+        # [1, ...] for the sum over the batch axes outside, where the layout the update wants
+        # decides the collective (ZeRO: a reduce-scatter), as for every other layout's tables
+        # (vocab.VocabPins.reduce). The tables in parallel.grad_reduce_dtype, as every matmul
+        # weight's gradient; the final norm's scale in float32. The barrier keeps the two sums
+        # apart: XLA:GPU folds consecutive all-reduces into one over data x pipe (the same link
+        # bytes), which leaves every device the whole table where ZeRO wants a reduce-scatter.
+        g_outer = jax.lax.optimization_barrier(jax.tree.map(
+            lambda g: jax.lax.psum(g.astype(table_dtype if g.ndim > 1 else jnp.float32), PIPE)[None], g_outer))
         ce = total(ce)  # only the last stage summed
         router = total(router)
-        dx_all = jax.lax.psum(dx_all, PIPE)  # only stage 0 wrote
         # Per-token means average over microbatches and the (equal) batch shards; counts add.
         acc = {k: (jax.lax.psum(x, BATCH_AXES) if k == "load" else jax.lax.pmean(x / m, BATCH_AXES))[:, None]
                for k, x in acc.items()}  # [v, Lc, ...] -> [v, 1 (this stage), Lc, ...]
         new_fp8 = jax.tree.map(lambda f: f[:, None], new_fp8)
         new_head_fp8 = jax.tree.map(lambda f: jax.lax.pmax(f, PIPE), new_head_fp8)  # only the last stage's
-        return ce, router, acc, g_w, g_outer, new_fp8, new_head_fp8, dx_all
+        return ce, router, acc, g_w, g_outer, new_fp8, new_head_fp8
 
     act = P(None, BATCH_AXES)
     stacked = P(None, PIPE)
     in_specs = (param_specs, P(), act, act, stacked, P(), act, P())
-    out_specs = (P(), P(), stacked, param_specs, P(), stacked, P(), act)
+    out_specs = (P(), P(), stacked, param_specs, P(BATCH_AXES), stacked, P())
     piped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)
 
     def value_and_grad(params: Any, batch: dict, fp8: Any = None):
@@ -334,25 +363,22 @@ def make_scheduled_value_and_grad(
         head_fp8 = {k: v for k, v in fp8.items() if k != "layers"}
         tokens, targets = batch["inputs"], batch["targets"]
         b, t = tokens.shape
-        embed = lambda o: model.apply({"params": o}, tokens, method=Transformer.embed_tokens)  # noqa: E731
-        x, embed_vjp = jax.vjp(embed, outer)
-        d = x.shape[-1]
         # [B, ...] -> [B/M, M, ...] -> [M, B/M, ...]: microbatch i takes rows i, i+M, ... (pipeline.py)
-        micro_x = x.reshape(b // m, m, t, d).swapaxes(0, 1)
+        micro_tok = tokens.reshape(b // m, m, t).swapaxes(0, 1)
         micro_t = targets.reshape(b // m, m, t).swapaxes(0, 1)
         # packed documents (data.DOC_KEYS: Transformer.loss's keywords), cut into microbatches as the targets are
         micro_docs = {k: v.reshape(b // m, m, t).swapaxes(0, 1) for k, v in batch.items() if k not in ("inputs", "targets")}
         kept_total = (jnp.maximum(jnp.sum(batch["loss_mask"] != 0), 1).astype(jnp.float32) if micro_docs
                       else jnp.ones((), jnp.float32))
-        ce, router, stats, g_layers, g_head, new_stack_fp8, new_head_fp8, dx = piped(
-            params["layers"], outer, micro_x, micro_t, stack_fp8, head_fp8, micro_docs, kept_total)
-        (g_embed,) = embed_vjp(dx.swapaxes(0, 1).reshape(b, t, d))
-        grads = jax.tree.map(jnp.add, g_head, g_embed)  # a tied table gets both contributions
+        ce, router, stats, g_layers, g_outer, new_stack_fp8, new_head_fp8 = piped(
+            params["layers"], outer, micro_tok, micro_t, stack_fp8, head_fp8, micro_docs, kept_total)
+        # [batch shards, ...] -> [...]: one reduction each (lax.reduce: jnp.sum adds bf16 in f32)
+        g_outer = jax.tree.map(lambda g: jax.lax.reduce(g, jnp.zeros((), g.dtype), jax.lax.add, (0,)), g_outer)
         stats = {k: x.reshape(-1, *x.shape[3:])[:sched.units or None] for k, x in stats.items()}  # layer-major
         new_fp8 = dict(new_head_fp8)
         if "layers" in fp8:
             new_fp8["layers"] = to_layer_major(new_stack_fp8, sched.units)
-        return (ce + router, (ce, stats)), ({**grads, "layers": g_layers}, new_fp8)
+        return (ce + router, (ce, stats)), ({**g_outer, "layers": g_layers}, new_fp8)
 
     return value_and_grad
 
