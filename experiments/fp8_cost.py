@@ -3,6 +3,7 @@
     python experiments/fp8_cost.py                      # CPU layout: compile, count, time (minutes)
     python experiments/fp8_cost.py --target h100-8      # + the same pair compiled for H100, not run
     python experiments/fp8_cost.py --json out.json
+    python experiments/fp8_cost.py --schedule 1f1b      # the same layout under another pipeline schedule
 
 [1] CPU, measured on CPU (8 simulated devices, FP8 emulated: XLA:CPU converts the FP8 operands to
     float32 before each dot). The layout of issue 22: data 2 x tensor 2 x pipe 2, the tiny model
@@ -39,14 +40,14 @@ RATIO_TARGET = 1.4
 _TYPE = re.compile(r"^\s*(?:ROOT )?%\S+ = (\(.*?\)|\S+) ([a-z][\w\-]*)\(")  # as analysis/hlo.py reads them
 
 
-def layout_config(fp8: bool, dtype: str = "float32"):
+def layout_config(fp8: bool, dtype: str = "float32", schedule: str = "gpipe"):
     from parallax.config import (Config, Fp8Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig,
                                  TrainConfig)
 
     return Config(name="fp8_cost", mesh=MeshConfig(data=2, tensor=2, pipe=2),
                   model=ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=512, vocab_size=256,
                                     dtype=dtype),
-                  parallel=ParallelConfig(remat="full", microbatches=4, schedule="gpipe"),
+                  parallel=ParallelConfig(remat="full", microbatches=4, schedule=schedule),
                   fp8=Fp8Config(enabled=fp8), optim=OptimConfig(warmup_steps=1),
                   train=TrainConfig(global_batch=16, seq_len=128, log_every=1000, eval_every=0))
 
@@ -71,7 +72,7 @@ def hlo_counts(hlo: str, by_op: bool = False) -> dict[str, int]:
     return out
 
 
-def cpu_pair(rounds: int, steps: int) -> dict:
+def cpu_pair(rounds: int, steps: int, schedule: str = "gpipe") -> dict:
     import jax
     import numpy as np
 
@@ -80,7 +81,7 @@ def cpu_pair(rounds: int, steps: int) -> dict:
 
     holders, out = {}, {}
     for name, fp8 in (("plain", False), ("fp8", True)):
-        cfg = layout_config(fp8)
+        cfg = layout_config(fp8, schedule=schedule)
         built = build(cfg)
         state = init_state(cfg, built.layout)
         b, t, v = cfg.train.global_batch, cfg.train.seq_len, cfg.model.vocab_size
@@ -119,22 +120,24 @@ def cpu_pair(rounds: int, steps: int) -> dict:
     return out
 
 
-def target_pair(target: str) -> dict:
+def target_pair(target: str, schedule: str = "gpipe") -> dict:
     from parallax.analysis.audit import compile_step
     from parallax.analysis.gemms import fp8_report
-    from parallax.analysis.hlo import kernel_bytes
+    from parallax.analysis.hlo import collectives, kernel_bytes
 
     out = {}
     for name, fp8 in (("bf16", False), ("fp8", True)):
-        cfg = layout_config(fp8, "bfloat16")
+        cfg = layout_config(fp8, "bfloat16", schedule)
         cfg = dataclasses.replace(cfg, name=f"fp8_cost_{name}")
         step = compile_step(cfg, target=target)
         out[name] = {"bytes_accessed": (step.cost or {}).get("bytes accessed"), "hlo": hlo_counts(step.hlo),
-                     "kernel_bytes": kernel_bytes(step.hlo)["total"], "compile_s": step.compile_s}
+                     "kernel_bytes": kernel_bytes(step.hlo)["total"], "compile_s": step.compile_s,
+                     "collective_executions": int(sum(c.executions for c in collectives(step.hlo, step.mesh_shape)))}
         if fp8:
             out[name]["gemms"] = fp8_report(step.hlo)
         print(f"  {name:5s} compiled for {target} in {step.compile_s:5.1f} s: XLA bytes accessed "
-              f"{out[name]['bytes_accessed']}, kernel bytes {out[name]['kernel_bytes'] / 2**20:.1f} MiB, {out[name]['hlo']}")
+              f"{out[name]['bytes_accessed']}, kernel bytes {out[name]['kernel_bytes'] / 2**20:.1f} MiB, "
+              f"collective executions {out[name]['collective_executions']}, {out[name]['hlo']}")
     return out
 
 
@@ -144,14 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--target", action="append", default=[], help="also compile the bf16 pair for TARGET, not run")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU timing")
+    ap.add_argument("--schedule", default="gpipe", help="parallel.schedule of the layout (default gpipe, issue 22's)")
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
     import jax
 
     figures: dict = {"jax": jax.__version__}
     if not args.no_cpu:
-        print("[1] CPU, data 2 x tensor 2 x pipe 2, tiny model, float32, remat full (measured on CPU, FP8 emulated)")
-        c = cpu_pair(args.rounds, args.steps)
+        print(f"[1] CPU, data 2 x tensor 2 x pipe 2 ({args.schedule}), tiny model, float32, remat full (measured on CPU, "
+              "FP8 emulated)")
+        c = cpu_pair(args.rounds, args.steps, args.schedule)
         figures["cpu"] = c
         extra = c["fp8"]["hlo"]["instructions"] - c["plain"]["hlo"]["instructions"]
         print(f"RESULT step plain {c['plain']['step_s'] * 1e3:.1f} ms, fp8 {c['fp8']['step_s'] * 1e3:.1f} ms; "
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['fp8']['hlo']['while_loops']}")
     for target in args.target:
         print(f"[2] {target}: the same layout in bfloat16, compiled for {target}, not run")
-        g = target_pair(target)
+        g = target_pair(target, args.schedule)
         figures[target] = g
         # XLA's cost analysis where the target's compiler gives one (a compile-only GPU gives none),
         # else the kernels' bytes counted from the compiled HLO (hlo.kernel_bytes, loop trips included)

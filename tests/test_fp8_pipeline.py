@@ -200,12 +200,35 @@ def _e4m3_casts(jaxpr, loops=0, out=None):
     return out
 
 
-@pytest.mark.parametrize("name", ["gpipe_uneven_d2_t2_p2", "circular_uneven_d2_t2_p2_r2", "gpipe_moe_d2_p2_e2"])
+@pytest.mark.parametrize("schedule", OWN_GRADIENTS)
+def test_table_schedules_combine_the_stage_amaxes_once_per_step(schedule):
+    """`delayed` under 1F1B, interleaved 1F1B and ZB-H1: the stage's dots keep local amaxes in
+    the ticks and the new state is pmax-ed over the batch axes once, after the tick loop (before:
+    every FP8 dot pmax-ed each operand's amax over `data` in every tick's F, B and W). The head's
+    dot, once per microbatch, still combines at the use; the telemetry's reductions run in their
+    own conditionals, on logged steps only."""
+    from parallax.analysis.audit import compile_step
+    from parallax.analysis.hlo import collectives
+
+    parallel = ParallelConfig(microbatches=4, schedule=schedule, repeats=2 if schedule == "interleaved_1f1b" else 1)
+    cfg = dataclasses.replace(BASE, model=dataclasses.replace(DENSE3, n_layers=4),
+                              mesh=MeshConfig(data=2, tensor=2, pipe=2), parallel=parallel)
+    step = compile_step(cfg)
+    found = [c for c in collectives(step.hlo, step.mesh_shape) if "data" in c.axes and c.kind == "all-reduce"]
+    per_use = [c.op_name for c in found if c.in_loop and "pmax" in c.op_name and "head_loss" not in c.op_name]
+    assert not per_use, per_use
+    assert [c for c in found if c.in_loop and "pmax" in c.op_name]  # the head's: the audit reads the loop
+    assert [c for c in found if not c.in_loop and "pmax" in c.op_name]  # the stage state's, once
+
+
+@pytest.mark.parametrize("name", ["gpipe_uneven_d2_t2_p2", "circular_uneven_d2_t2_p2_r2", "gpipe_moe_d2_p2_e2",
+                                  "1f1b_uneven_d2_t2_p2", "interleaved_uneven_d2_t2_p2_r2", "zb_h1_moe_d2_p2_e2_zero3"])
 def test_a_stage_quantises_each_weight_once_per_step_outside_its_tick_loop(name, monkeypatch):
     """fp8.quantize_weights: the stage's weights are cast to E4M3 once per step, before the tick
     loop, one stacked cast per weight [R, Lc, ...]; every FP8 dot inside the stage takes the
     QuantizedWeight (before, every tick and every remat recomputation quantised every weight
-    again: BUILD_NOTES.md, "FP8's cost"). Only the head's dot (fp8.logits, outside the pipeline,
+    again: BUILD_NOTES.md, "FP8's cost"; the table schedules, which thread the state through
+    their own VJPs, quantise with fp8.quantize_weights_now). Only the head's dot (fp8.logits,
     its weight has the vocabulary's 256 in its shape) still quantises its master weight."""
     from parallax.model import fp8
     from parallax.model.layers import QuantizedWeight

@@ -383,8 +383,8 @@ def _zero_gather_terms(s: Dims, out: _Terms) -> None:
     (transformer.remat_policy), and so does XLA:TPU without one (compiled for v5e-8: the layer
     gathers twice per step at remat none; the accelerator model follows the TPU). Pipelined ZeRO-3: pipeline.run_pipeline's `gather_zero3`, once per step, in float32.
     FP8 (fp8.quantize_weights): the matmul weights are quantised on their shards once per step and
-    gathered as their E4M3 bits, 1 byte (u8: no platform promotes it), unpipelined and in GPipe /
-    circular stages; the 1F1B family still gathers the float32 stage weights."""
+    gathered as their E4M3 bits, 1 byte (u8: no platform promotes it), unpipelined and in every
+    pipeline schedule's stages (the table schedules: fp8.quantize_weights_now)."""
     on_data, z1, z3, piped = s.d > 1, s.zero == 1, s.zero == 3, s.piped
     n_outer = s.outer_arrays
     out.add(("data",), "all-gather", "ZeRO-1: updated parameters", 4 * s.params_t / (s.unit_arrays + n_outer),
@@ -394,7 +394,7 @@ def _zero_gather_terms(s: Dims, out: _Terms) -> None:
     regather = np.where((s.remat == NONE) & s.cpu, 1, 2)  # XLA:TPU gathers again even without remat
     out.add(("data",), "all-gather", LAYER_GATHERS, unit_gather / s.unit_arrays,
             s.unit_arrays * s.U * regather, on_data & z3 & ~piped, "compute", None, s.d)
-    stage_gather = np.where(s.fp8 & ~s.f1b, s.Ldev * (s.layer_t + 3 * fp32_unit / s.unit), 4 * s.Ldev * s.layer_t)
+    stage_gather = np.where(s.fp8, s.Ldev * (s.layer_t + 3 * fp32_unit / s.unit), 4 * s.Ldev * s.layer_t)
     out.add(("data",), "all-gather", "ZeRO-3: stage weights (once per step)", stage_gather / s.unit_arrays,
             s.unit_arrays, on_data & z3 & piped, "exposed", None, s.d)
     outer_gather = s.c * (s.outer_t - s.D) + 4 * s.D

@@ -415,8 +415,32 @@ def quantize_weights(params: Any, fp8: Any, factory: Any, dtype: Any, amax_axes:
     over them). `lead`: leading stack dims of every leaf (a stage's [R, Lc, ...]: 2)."""
     if getattr(factory, "func", None) is not Fp8DotGeneral or not fp8:
         return params
-    kw = factory.keywords
     flat_params = traverse_util.flatten_dict(params)
+    for path, _, meta, st in _weight_dots(flat_params, fp8, factory, dtype, amax_axes):
+        flat_params[path] = _quantized(flat_params[path], meta, st, jnp.dtype(dtype), lead)
+    return traverse_util.unflatten_dict(flat_params)
+
+
+def quantize_weights_now(params: Any, fp8: Any, factory: Any, dtype: Any, amax_axes: Any,
+                         lead: int) -> tuple[Any, dict]:
+    """quantize_weights for a caller that threads the FP8 state itself instead of differentiating
+    through it (pipeline_1f1b's per-tick VJPs): (params with QuantizedWeights, {state path:
+    the weight's new state value}, float32, for the paths of the weights' state only). The
+    masters' gradients still come straight through the dots (QuantizedWeight.master)."""
+    if getattr(factory, "func", None) is not Fp8DotGeneral or not fp8:
+        return params, {}
+    flat_params, new_state = traverse_util.flatten_dict(params), {}
+    for path, dot, meta, st in _weight_dots(flat_params, fp8, factory, dtype, amax_axes):
+        flat_params[path], new = _quantized_fwd(flat_params[path], meta, st, jnp.dtype(dtype), lead)
+        for k, value in zip(("scale", "amax_history", "stats"), new):
+            new_state[(*dot, f"kernel_{k}")] = _as_f32(value)
+    return traverse_util.unflatten_dict(flat_params), new_state
+
+
+def _weight_dots(flat_params: dict, fp8: Any, factory: Any, dtype: Any, amax_axes: Any):
+    """(weight path, its dot's state path, the weight's state (scale, history, stats), _Static)
+    for every FP8 dot in `fp8`, in the order quantize_weights documents."""
+    kw = factory.keywords
     flat_axes = traverse_util.flatten_dict(amax_axes)
     dots = sorted({path[:-1] for path in traverse_util.flatten_dict(fp8)})
     for dot in dots:
@@ -432,8 +456,7 @@ def quantize_weights(params: Any, fp8: Any, factory: Any, dtype: Any, amax_axes:
         recipe, margin = kw.get("recipe", Fp8DotGeneral.recipe), float(kw.get("margin", Fp8DotGeneral.margin))
         st = _Static((), recipe, margin, tuple(flat_axes[path]), jnp.dtype(dtype), jnp.dtype(dtype),
                      jnp.dtype(jnp.float32))
-        flat_params[path] = _quantized(flat_params[path], meta, st, jnp.dtype(dtype), lead)
-    return traverse_util.unflatten_dict(flat_params)
+        yield path, dot, meta, st
 
 
 def padding_value(name: str) -> float:

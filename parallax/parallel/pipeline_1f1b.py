@@ -42,11 +42,15 @@ What the other schedules take, this one takes too:
   state (fp8.py); the ticks combine the new states by max, and a bubble tick contributes the max's
   identity (-inf), so it never writes a scale or an amax. The forward ticks only read the state: a
   backward recomputes the same forward from the same input, so the amaxes it records are the
-  forward's too. The head's FP8 state (fp8.logits) is combined the same way. Every FP8 dot inside
-  the shard_map reduces its amax over the batch axes (`amax_axes`), so the state is the whole
-  microbatch's, as on one device.
+  forward's too. The head's FP8 state (fp8.logits) is combined the same way. The stage's weights
+  are quantised once per step, before the tick loop (fp8.quantize_weights_now: the VJPs then
+  differentiate only the masters), and their new states join the ticks' after it. Under
+  `delayed` the stage's dots keep local amaxes and the new state is pmax-ed over the batch axes
+  once, after the loop; under `current` (and in the head) each dot reduces its amax over the
+  batch axes at its use (`amax_axes`). Either way the state is the whole microbatch's, as on one
+  device.
 - ZeRO-3: each stage gathers its weights over `data` once per step, before the tick loop (as
-  GPipe), and reduce-scatters their gradient once, after it.
+  GPipe; under FP8 their E4M3 bits), and reduce-scatters their gradient once, after it.
 
 Gradients are reduced once per step, after the tick loop: every device's loss is its share of
 the global mean (1/(M x batch shards) of its rows' mean per microbatch), so a weight's gradient is
@@ -67,7 +71,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from parallax.model.fp8 import FP8_COLLECTION, META_DTYPE, padding_value
+from flax import traverse_util
+
+from parallax.model.fp8 import FP8_COLLECTION, META_DTYPE, padding_value, quantize_weights_now, scales_each_use
+from parallax.model.layers import QuantizedWeight
 from parallax.model.transformer import Transformer, moe_stat_shapes
 from parallax.model.logical import entry_axes, keep_axes, vary, varying_axes
 from parallax.parallel.mesh import DATA, PIPE
@@ -91,14 +98,34 @@ def _spec_axes(spec: P) -> set[str]:
     return {a for entry in spec for a in entry_axes(entry)}
 
 
-def _gather(c: jax.Array, spec: P) -> jax.Array:
-    """A stage's weight [v, 1, Lc, ...] -> [v, Lc, ...], gathered over `data` where ZeRO-3 stores
-    it sharded (expert weights stay sharded over `expert`: each device runs its own experts)."""
-    c = c[:, 0]
-    for dim, entry in enumerate(spec):
-        if DATA in entry_axes(entry) and dim >= 2:
-            c = jax.lax.all_gather(c, DATA, axis=dim - 1, tiled=True)
-    return c
+def _gather(c: Any, spec: P) -> Any:
+    """A stage's weight [v, Lc, ...] gathered over `data` where ZeRO-3 stores it sharded (expert
+    weights stay sharded over `expert`: each device runs its own experts); a QuantizedWeight's FP8
+    bits too (half the bytes of bf16: its scale is the layer's, its master only gives the gradient
+    its shape)."""
+    def one(a: jax.Array) -> jax.Array:
+        for dim, entry in enumerate(spec):
+            if DATA in entry_axes(entry) and dim >= 2:
+                a = jax.lax.all_gather(a, DATA, axis=dim - 1, tiled=True)
+        return a
+
+    if isinstance(c, QuantizedWeight):
+        return QuantizedWeight(one(c.master), one(c.bits), c.scale)
+    return one(c)
+
+
+def _is_weight(a: Any) -> bool:
+    return isinstance(a, QuantizedWeight)
+
+
+def _masters(tree: Any) -> Any:
+    """The master weights of a stage's parameters (a QuantizedWeight's `master`): what the VJPs
+    differentiate."""
+    return jax.tree.map(lambda a: a.master if _is_weight(a) else a, tree, is_leaf=_is_weight)
+
+
+def _with_masters(tree: Any, masters: Any) -> Any:
+    return jax.tree.map(lambda a, w: a._replace(master=w) if _is_weight(a) else w, tree, masters, is_leaf=_is_weight)
 
 
 def _reduce(g: jax.Array, spec: P) -> jax.Array:
@@ -162,13 +189,15 @@ def make_scheduled_value_and_grad(
     share = 1.0 / (m * batch_shards)
     # Router losses per chunk: transformer.moe_loss's mean over MoE layers, microbatches and shards
     moe_weights = {"aux_loss": c.moe.aux_loss_weight * share / units, "z_loss": c.moe.z_loss_weight * share / units}
-    with_stats = stage_fn(model)
     head_model = model
     if model.logits_dot_general is not None:  # the head runs inside the shard_map: global amaxes
         head_model = model.clone(logits_dot_general=with_batch_amaxes(model.logits_dot_general))
     fwd_ring = [(i, (i + 1) % p) for i in range(p)]
     bwd_ring = [((i + 1) % p, i) for i in range(p)]
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
+    # per weight, the manual axes it is stored sharded over (its FP8 amax is pmax-ed over them)
+    sharded_over = jax.tree.map(lambda s: tuple(a for e in s for a in entry_axes(e) if a != PIPE), param_specs,
+                                is_leaf=lambda a: isinstance(a, P))
     stat_shapes = moe_stat_shapes(c, layers_per_chunk=sched.chunk_units)
 
     def head_loss(outer: Any, head_fp8: Any, y: jax.Array, targets: jax.Array, loss_mask: Any,
@@ -185,9 +214,20 @@ def make_scheduled_value_and_grad(
         s = jax.lax.axis_index(PIPE)
         # Everything a gradient is taken of is marked varying over the batch axes up front, so no
         # implicit reduction lands inside the loop; gradients are reduced over them once, below.
-        weights = jax.tree.map(lambda w, spec: vary(_gather(w, spec), BATCH_AXES), chunks, param_specs,
-                               is_leaf=lambda a: isinstance(a, P))  # [v, Lc, ...]
-        fp8_all = jax.tree.map(lambda f: f[:, 0], fp8_chunks) or None  # [v, 1, Lc, ...] -> [v, Lc, ...]
+        shards = jax.tree.map(lambda w: w[:, 0], chunks)  # [v, 1, Lc, ...] -> [v, Lc, ...]
+        fp8_all = jax.tree.map(lambda f: f[:, 0], fp8_chunks) or None
+        # FP8 `delayed`: the dots keep local amaxes and the stage's new state is combined over the
+        # batch axes once per step, after the tick loop (as fp8.combined_over does for GPipe);
+        # `current` scales each use by its own amax, pmax-ed over the batch axes at the use.
+        combined = fp8_all is not None and not scales_each_use(model.dot_general)
+        with_stats = stage_fn(model, combined)
+        # FP8: each weight quantised here, once per step, on its stored shard (ZeRO-3 gathers the
+        # bits), not in every tick's F, B and W; its new state joins the ticks' after the loop
+        shards, weight_state = quantize_weights_now(shards, fp8_all, model.dot_general, c.dtype, sharded_over, lead=2)
+        weights = jax.tree.map(lambda spec, w: jax.tree.map(lambda a: vary(a, BATCH_AXES), _gather(w, spec)),
+                               param_specs, shards, is_leaf=lambda a: isinstance(a, P))  # [v, Lc, ...]
+        if combined:  # local amaxes in the ticks: no pmax per tick
+            fp8_all = jax.tree.map(lambda f: vary(f, BATCH_AXES), fp8_all)
         head_fp8 = jax.tree.map(lambda f: vary(f, (PIPE,)), head_fp8)
 
         def stage(w: Any, fp8: Any, x: jax.Array, docs: Any, chunk: jax.Array) -> tuple[tuple[jax.Array, jax.Array], dict]:
@@ -268,12 +308,13 @@ def make_scheduled_value_and_grad(
                 if tab.split:
                     _, vjp = jax.vjp(lambda f, h: stage(w_b, f, h, docs_b, c_b)[0], f_b, x)
                     d_fp8, dx = vjp((ct, ones()))
-                    return jax.tree.map(jnp.zeros_like, w_b), d_fp8, dx
-                _, vjp = jax.vjp(lambda w, f, h: stage(w, f, h, docs_b, c_b)[0], w_b, f_b, x)
+                    return jax.tree.map(jnp.zeros_like, _masters(w_b)), d_fp8, dx
+                _, vjp = jax.vjp(lambda w, f, h: stage(_with_masters(w_b, w), f, h, docs_b, c_b)[0], _masters(w_b),
+                                 f_b, x)
                 return vjp((ct, ones()))
 
             def no_backward(args):
-                return (jax.tree.map(jnp.zeros_like, _at(weights, 0, v)), _nothing_like(_at(fp8_all, 0, v)),
+                return (jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v)), _nothing_like(_at(fp8_all, 0, v)),
                         jnp.zeros_like(args[0]))
 
             d_w, d_fp8, dx = jax.lax.cond(b_busy, backward, no_backward, (_get(act, op["b_act"]), _get(cot, op["b_cot"])))
@@ -297,12 +338,12 @@ def make_scheduled_value_and_grad(
 
                 def weight_grad(args):
                     x, ct = args
-                    f_w = _at(fp8_all, c_w, v)
-                    _, vjp = jax.vjp(lambda w: stage(w, f_w, x, docs_w, c_w)[0], _at(weights, c_w, v))
+                    f_w, w_w = _at(fp8_all, c_w, v), _at(weights, c_w, v)
+                    _, vjp = jax.vjp(lambda w: stage(_with_masters(w_w, w), f_w, x, docs_w, c_w)[0], _masters(w_w))
                     return vjp((ct, ones()))[0]
 
                 def no_weight_grad(args):
-                    return jax.tree.map(jnp.zeros_like, _at(weights, 0, v))
+                    return jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v))
 
                 d_w = jax.lax.cond(w_busy, weight_grad, no_weight_grad, (_get(act, op["w_act"]), _get(cot, op["w_cot"])))
                 g_w = _add_at(g_w, c_w, d_w, v)
@@ -317,7 +358,7 @@ def make_scheduled_value_and_grad(
             zeros_x, zeros_x,
             jnp.zeros((tab.act_slots + 1, *zeros_x.shape), zeros_x.dtype),  # + the trash slot
             jnp.zeros((tab.cot_slots + 1, *zeros_x.shape), zeros_x.dtype),
-            jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights), jax.tree.map(jnp.zeros_like, outer),
+            jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), _masters(weights)), jax.tree.map(jnp.zeros_like, outer),
             None, None, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
             {k: jnp.zeros((v, *shape), jnp.float32) for k, shape in stat_shapes.items()},
         )
@@ -346,6 +387,13 @@ def make_scheduled_value_and_grad(
         # Per-token means average over microbatches and the (equal) batch shards; counts add.
         acc = {k: (jax.lax.psum(x, BATCH_AXES) if k == "load" else jax.lax.pmean(x / m, BATCH_AXES))[:, None]
                for k, x in acc.items()}  # [v, Lc, ...] -> [v, 1 (this stage), Lc, ...]
+        if fp8_all is not None:
+            if combined:  # the uses' local states, combined over the batch axes once per step
+                new_fp8 = jax.tree.map(lambda f: jax.lax.pmax(f, BATCH_AXES), new_fp8)
+            # the weights' states, from their one quantisation (the ticks recorded none of them)
+            flat = traverse_util.flatten_dict(new_fp8)
+            new_fp8 = traverse_util.unflatten_dict({k: jnp.maximum(f, weight_state[k]) if k in weight_state else f
+                                                    for k, f in flat.items()})
         new_fp8 = jax.tree.map(lambda f: f[:, None], new_fp8)
         new_head_fp8 = jax.tree.map(lambda f: jax.lax.pmax(f, PIPE), new_head_fp8)  # only the last stage's
         return ce, router, acc, g_w, g_outer, new_fp8, new_head_fp8
