@@ -85,8 +85,15 @@ class VocabPins:
         the gradient is wanted in decides it (ZeRO-1's update slice: XLA:GPU then reduce-scatters;
         pinned to the weight's compute layout it all-reduced the whole table, twice the bytes
         over the links: 1 GiB more per step for a 1B model's tables on h100-8)."""
-        dw = dw.astype(dtype)
-        return lax.reduce(dw, jnp.zeros((), dtype), lax.add, (0,))
+        return sum_shards(dw, dtype)
+
+
+def sum_shards(dw: jax.Array, dtype: Any) -> jax.Array:
+    """[n, *W] -> [*W] in `dtype`, one partial sum per batch shard on the leading axis, the layout
+    of the sum left to its consumer (VocabPins.reduce; pipeline_1f1b's vocabulary tables).
+    lax.reduce, since jnp.sum adds bfloat16 in float32."""
+    dw = dw.astype(dtype)
+    return lax.reduce(dw, jnp.zeros((), dtype), lax.add, (0,))
 
 
 def _chunk_logits(xc: jax.Array, wc: jax.Array, dims: Any, dtype: Any, pins: VocabPins) -> jax.Array:

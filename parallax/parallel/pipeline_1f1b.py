@@ -76,6 +76,7 @@ from flax import traverse_util
 from parallax.model.fp8 import FP8_COLLECTION, META_DTYPE, padding_value, quantize_weights_now, scales_each_use
 from parallax.model.layers import QuantizedWeight
 from parallax.model.transformer import Transformer, moe_stat_shapes
+from parallax.model.vocab import sum_shards
 from parallax.model.logical import entry_axes, keep_axes, vary, varying_axes
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
@@ -420,8 +421,7 @@ def make_scheduled_value_and_grad(
                       else jnp.ones((), jnp.float32))
         ce, router, stats, g_layers, g_outer, new_stack_fp8, new_head_fp8 = piped(
             params["layers"], outer, micro_tok, micro_t, stack_fp8, head_fp8, micro_docs, kept_total)
-        # [batch shards, ...] -> [...]: one reduction each (lax.reduce: jnp.sum adds bf16 in f32)
-        g_outer = jax.tree.map(lambda g: jax.lax.reduce(g, jnp.zeros((), g.dtype), jax.lax.add, (0,)), g_outer)
+        g_outer = jax.tree.map(lambda g: sum_shards(g, g.dtype), g_outer)  # [batch shards, ...] -> [...]
         stats = {k: x.reshape(-1, *x.shape[3:])[:sched.units or None] for k, x in stats.items()}  # layer-major
         new_fp8 = dict(new_head_fp8)
         if "layers" in fp8:
