@@ -492,7 +492,7 @@ _KERNELS = """HloModule k
   %p = (s32[], f32[8]{0}) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
   %x = f32[8]{0} get-tuple-element(%p), index=1
-  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused, metadata={op_name="jit(step)/while/body/fp8_telemetry/neg"}
   ROOT %t = (s32[], f32[8]{0}) tuple(%i, %f)
 }
 
@@ -507,7 +507,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   %init = (s32[], f32[8]{0}) tuple(%c0, %a)
   %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   %y = f32[8]{0} get-tuple-element(%w), index=1
-  ROOT %z = f32[8]{0} copy(%y)
+  ROOT %z = f32[8]{0} copy(%y), metadata={op_name="jit(step)/fp8_telemetry_not/copy"}
 }
 """
 
@@ -516,3 +516,6 @@ def test_kernel_bytes_count_each_kernel_per_loop_trip_and_nothing_inside_a_fusio
     """The fusion reads and writes f32[8] (64 bytes) on each of 3 trips, the copy 64 once; the
     negate inside the fusion, views, tuples and the loop itself move nothing of their own."""
     assert kernel_bytes(_KERNELS) == {"total": 3 * 64 + 64, "conditional": 0.0}
+    # `scope`: the kernels of a named scope (a whole op_name path component, not a prefix of one)
+    assert kernel_bytes(_KERNELS, scope="fp8_telemetry") == {"total": 3 * 64 + 64, "conditional": 0.0,
+                                                             "scoped": 3 * 64}

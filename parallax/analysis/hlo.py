@@ -524,18 +524,21 @@ _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
                 "opt-barrier", "partition-id", "replica-id", "after-all", "add-dependency"}
 
 
-def kernel_bytes(hlo: str) -> dict[str, float]:
+def kernel_bytes(hlo: str, scope: str | None = None) -> dict[str, float]:
     """Bytes one device's kernels read and write per step, counted from the HLO with loop trips:
     every instruction outside fusion bodies and reducers (each fusion, custom call, collective,
     copy: one kernel) reads its operands and writes its result; an async pair counts at its start.
     XLA's cost analysis ("bytes accessed") does the same per kernel but counts a loop body once,
     and a compile-only GPU target gives none. `conditional`: the part inside conditional branches
-    (on every trip: an upper bound)."""
+    (on every trip: an upper bound). `scope`: also `scoped`, the part of the kernels whose op_name
+    holds `scope` as a path component (a jax.named_scope: the FP8 telemetry's, which runs only on
+    the steps that log it)."""
     comps = _split_computations(hlo)
     runs, branched = _executions(comps)
     fused = {callee for lines in comps.values() for line in lines for attr, callee in called(line)
              if attr in ("calls", "to_apply") and " fusion(" in line or attr == "to_apply"}
-    total = conditional = 0.0
+    total = conditional = scoped = 0.0
+    in_scope = re.compile(rf'op_name="(?:[^"]*/)?{re.escape(scope)}(?:/[^"]*)?"') if scope else None
     for comp, lines in comps.items():
         if comp in fused or comp not in runs:
             continue
@@ -552,7 +555,8 @@ def kernel_bytes(hlo: str) -> dict[str, float]:
             moved = _shape_bytes(typ) + sum(_shape_bytes(types.get(o, "")) for o in _operands(rest))
             total += moved * runs[comp]
             conditional += moved * runs[comp] if comp in branched else 0.0
-    return {"total": total, "conditional": conditional}
+            scoped += moved * runs[comp] if in_scope and in_scope.search(line) else 0.0
+    return {"total": total, "conditional": conditional} | ({"scoped": scoped} if scope else {})
 
 
 _CUDNN_FMHA = re.compile(r'custom_call_target="(__cudnn\$fmha\w*)"')
