@@ -156,9 +156,9 @@ def test_fp8_gpipe_step_moves_fewer_bytes_than_bf16_on_h100_8(cuda_plugin):
     data 2 x tensor 2 x pipe 2, GPipe M 4, remat full, bf16), compiled for h100-8: on a step that
     does not log the FP8 telemetry, the FP8 step's kernels move no more bytes than the BF16 step's,
     with every block matmul an FP8 GEMM. Measured 2026-12-03: 662.6 against 674.8 MiB (0.982);
-    1.049 while the dots multiplied by jnp.broadcast_to(scale, shape), which XLA:GPU materialised in
-    float32 per layer (BUILD_NOTES.md, "The FP8 step under the BF16 step's bytes"). The telemetry's
-    kernels (13.9 MiB) sit in conditionals: they run only on the steps that log it."""
+    694.1 (1.029) while the dots multiplied by jnp.broadcast_to(scale, shape), which XLA:GPU
+    materialised in float32 per layer (BUILD_NOTES.md, "The FP8 step under the BF16 step's bytes").
+    The telemetry's kernels (13.9 MiB) sit in conditionals: they run only on the steps that log it."""
     spec = importlib.util.spec_from_file_location("fp8_cost", REPO / "experiments" / "fp8_cost.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

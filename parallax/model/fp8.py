@@ -230,9 +230,10 @@ def _rescaled(product: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     Multiplied by a scalar on the accelerators: multiplied by jnp.broadcast_to(scale, shape),
     XLA:GPU computed that float32 broadcast for every layer in a loop before the pipeline's tick
     loop and read it at every use, 4 bytes per element of every product (31.6 MiB of the
-    fp8_cost layout's step compiled for h100-8, 4.7% of it). XLA:CPU does the same with either
-    form, but runs its elementwise kernels slower on the scalar (measured on CPU, one process,
-    interleaved: the FP8 step 420 against 358 ms), so the CPU keeps the broadcast."""
+    fp8_cost layout's step compiled for h100-8, 4.7% of it; v5e-8: 371.2 -> 354.3 MiB). XLA:CPU
+    materialises the broadcast too, and the scalar removes it there as well, but the CPU step then
+    runs slower (measured on CPU, one process, interleaved: the FP8 step 420 against 358 ms; not
+    explained), so on the CPU the broadcast stays."""
     scalar = lambda p, s: (p * s.reshape(())).astype(dtype)  # noqa: E731
     broadcast = lambda p, s: (p * jnp.broadcast_to(s, p.shape)).astype(dtype)  # noqa: E731
     return lax.platform_dependent(product, scale, cpu=broadcast, default=scalar)
