@@ -399,6 +399,48 @@ def test_fp8_state_after_steps_is_the_same_on_one_device_and_data2_tensor2(runs)
         assert sharding.spec == P() and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
 
 
+# The train step reads the state as fp8.step_state makes it (each delayed scale computed once per
+# step, each use's amax pushed into the history once, in `overwrite`): the same numbers as the
+# stored state read at every use. One step first, so the histories are not all zero.
+STEP_STATE_LAYOUTS = {
+    "d1_delayed": (MeshConfig(data=1), ParallelConfig(), "delayed"),
+    "d1_current": (MeshConfig(data=1), ParallelConfig(remat="full"), "current"),
+    # 3 layers on 2 stages: a padded slot (fp8.padding_value's per-entry fill)
+    "gpipe_d2_p2_uneven": (MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2), "delayed"),
+    "1f1b_p2": (MeshConfig(data=1, pipe=2), ParallelConfig(microbatches=2, schedule="1f1b"), "delayed"),
+}
+
+
+@pytest.mark.parametrize("name", list(STEP_STATE_LAYOUTS))
+def test_step_state_gives_the_stored_states_numbers(name):
+    from parallax.model.fp8 import request_telemetry, step_state
+    from parallax.train.train_step import make_value_and_grad
+
+    mesh_cfg, parallel, recipe = STEP_STATE_LAYOUTS[name]
+    model = dataclasses.replace(TINY.model, n_layers=3) if "uneven" in name else TINY.model
+    cfg = dataclasses.replace(TINY, model=model, mesh=mesh_cfg, parallel=parallel,
+                              fp8=dataclasses.replace(TINY.fp8, recipe=recipe))
+    run = _train(cfg, available_devices(mesh_cfg.data * mesh_cfg.pipe), steps=1)
+    state, layout = run["state"], run["layout"]
+    rows = np.random.default_rng(1).integers(0, 256, (8, 17)).astype(np.int32)
+    batch = jax.device_put({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, batch_sharding(layout.mesh))
+    value_and_grad = make_value_and_grad(layout)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def next_state(use_step_state, params, fp8):
+        asked = request_telemetry(fp8, True)
+        (loss, _), (grads, new) = value_and_grad(params, batch, step_state(asked, cfg.fp8) if use_step_state else asked)
+        return loss, grads, overwrite(fp8, new)
+
+    want, got = next_state(False, state.params, state.fp8), next_state(True, state.params, state.fp8)
+    assert jax.tree.structure(got[2]) == jax.tree.structure(state.fp8)
+    histories = [h for p, h in jax.tree_util.tree_leaves_with_path(got[2]) if "amax_history" in jax.tree_util.keystr(p)]
+    # this step's amax at 0, the first step's rolled to the end (Flax's roll-and-set)
+    assert all(np.all(np.asarray(h)[..., [0, -1]] > 0) for h in histories)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
 # ZeRO-3 with remat `none` (transformer.remat_policy: everything saved but the gathered weights).
 # Adam eps 1e-2 as in tests/test_fp8_pipeline.py: updates Lipschitz in the gradient across layouts.
 ZERO3_BASE = dataclasses.replace(TINY, optim=OptimConfig(warmup_steps=1, eps=1e-2))

@@ -20,7 +20,11 @@ State. Per dot and per tensor (input, kernel, output_grad): `{t}_scale` [1], `{t
 [H], `{t}_stats` [2] (this step's fraction saturated at the FP8 max, fraction of nonzeros flushed
 to zero; NO_TELEMETRY on a step that does not log them: request_telemetry), in the `fp8_meta` collection; under the model's `nn.scan` each gets a leading layers
 axis. The state is part of TrainState (replicated, but a pipelined stack's on its stages where that
-is a reshape: pipeline.stack_state_spec) and never reaches the optimizer.
+is a reshape: pipeline.stack_state_spec) and never reaches the optimizer. The train step hands
+the dots a smaller form of it (step_state: per tensor one [4] of the scale to use, an amax slot
+and the stats, the delayed scale computed from the history once per step) and pushes the step's
+amaxes into the histories once, in `overwrite`; a dot given the stored form (evaluation, direct
+use) reads and updates the history itself, with the same numbers.
 
 How the state is updated: the gradient is the new value. The forward amaxes could be written with
 `mutable=[...]`, but the output-gradient amax only exists inside the backward pass, where no
@@ -76,6 +80,10 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 RECIPES = ("delayed", "current")
 # State name prefix -> telemetry kind; the prefixes are Flax's variable names.
 TENSORS = {"input": "inputs", "kernel": "weights", "output_grad": "gradients"}
+QDTYPES = {"input": E4M3, "kernel": E4M3, "output_grad": E5M2}  # what each tensor is cast to
+# A tensor's state as stored: `{t}_scale` [1], `{t}_amax_history` [H], `{t}_stats` [2]; as one
+# train step's dots read it (step_state): one `{t}_step` [4] = [scale, amax, saturated, flushed]
+STORED, STEP = ("scale", "amax_history", "stats"), "step"
 # The fm32 dtype: float32 whose cotangent accumulation is max (see the module docstring).
 META_DTYPE = fp8_ops.fm32
 
@@ -126,6 +134,8 @@ class _Static(NamedTuple):
     # The manual axes the telemetry's fractions are averaged over; None: amax_axes. Differs where
     # the caller combines the amaxes itself, once per step (combined_over: the pipeline, delayed)
     stat_axes: tuple[str, ...] | None = None
+    # The state comes as step_state made it: one [..., 4] per tensor, not (scale, history, stats)
+    step: bool = False
 
 
 def _as_f32(x: jax.Array) -> jax.Array:
@@ -169,7 +179,8 @@ def quantize(x: jax.Array, meta: tuple, qdtype: Any, st: _Static, lead: int = 0)
     """x -> (FP8 x, new (scale, history, stats)). `meta` may be float32 or fm32. The incoming
     stats ask for this step's telemetry (anything >= 0) or not (NO_TELEMETRY: request_telemetry):
     two more reductions over the tensor, measured at 11% of the emulated FP8 step on CPU, run
-    only on the steps that log them.
+    only on the steps that log them. `st.step`: `meta` is step_state's (scale to use under
+    `delayed`, amax slot, stats) and the new state is (scale, this use's amax, stats) (_unpack).
 
     `lead` > 0: x is a stack of tensors [*S, ...] (S its first `lead` dims) with a state per
     tensor (scale [*S, 1], history [*S, H], stats [*S, 2]): each quantised by its own scale, as
@@ -179,8 +190,11 @@ def quantize(x: jax.Array, meta: tuple, qdtype: Any, st: _Static, lead: int = 0)
     x32 = x.astype(jnp.float32)
     # the whole tensor's amax [..., 1]
     amax = _reduce(jnp.max(jnp.abs(x32), axis=_per_tensor(x, lead))[..., None], st.amax_axes, lax.pmax)
-    basis = jnp.max(history, axis=-1, keepdims=True) if st.recipe == "delayed" else amax
-    new_scale = compute_scale(basis, scale, dmax, st.margin)
+    if st.step and st.recipe == "delayed":  # the history's scale, computed once per step (step_state)
+        new_scale = scale
+    else:
+        basis = jnp.max(history, axis=-1, keepdims=True) if st.recipe == "delayed" else amax
+        new_scale = compute_scale(basis, scale, dmax, st.margin)
     per_element = new_scale.reshape(*new_scale.shape[:-1], *([1] * (x.ndim - lead)))
     q = jnp.clip(x32 / per_element, -dmax, dmax).astype(qdtype)
     # x, not x32, enters the branch: a float32 copy as the conditional's operand would be one
@@ -193,12 +207,36 @@ def quantize(x: jax.Array, meta: tuple, qdtype: Any, st: _Static, lead: int = 0)
                          lambda: vary(jnp.full(stats.shape, NO_TELEMETRY, jnp.float32), skip_axes))
     # typed as the incoming state (a state combined_over the batch axes varies over them, while
     # the fractions, averaged over them, do not)
-    return q, (new_scale, push_history(history, amax), vary(new_stats, varying_axes(stats)))
+    # step_state's slot: this use's amax, pushed into the history once per step (overwrite), not
+    # rolled here at every use (a history of 1,024 per tensor, per layer, tick and recomputation)
+    recorded = jnp.where(jnp.isfinite(amax), amax, 0.0) if st.step else push_history(history, amax)
+    return q, (new_scale, recorded, vary(new_stats, varying_axes(stats)))
 
 
 def _restore(new: tuple, like: tuple) -> tuple:
     """New state values in the dtypes of the state that came in (fm32 stays fm32)."""
     return tuple(lax.convert_element_type(n, o.dtype) if o.dtype != n.dtype else n for n, o in zip(new, like))
+
+
+def _unpack(meta: Any, st: _Static) -> tuple:
+    """A tensor's state as quantize reads it: (scale, history or amax slot, stats)."""
+    return _split(meta) if st.step else meta
+
+
+def _split(packed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """step_state's [..., 4] -> scale [..., 1], amax [..., 1], stats [..., 2]."""
+    return packed[..., 0:1], packed[..., 1:2], packed[..., 2:4]
+
+
+def _pack(new: tuple, like: Any, st: _Static) -> Any:
+    """quantize's new (scale, history or amax, stats) in the form and dtype of the state that came
+    in. step_state's one array per tensor: one leaf, where three were, for the backward loops to
+    stack per layer (a dynamic-update-slice kernel per leaf, layer and tick on the CPU)."""
+    if not st.step:
+        return _restore(new, like)
+    axes = sorted(set().union(*(varying_axes(n) for n in new)))
+    joined = jnp.concatenate([vary(_as_f32(n), axes) for n in new], axis=-1)
+    return _restore((joined,), (like,))[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,15 +278,15 @@ def _rescaled(product: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
 
 
 def _dot_fwd(x, w, x_meta, w_meta, g_meta, st: _Static):
-    qx, x_new = quantize(x, x_meta, E4M3, st)
+    qx, x_new = quantize(x, _unpack(x_meta, st), E4M3, st)
     if isinstance(w, QuantizedWeight):  # quantised once this step (quantize_weights): no state here
         bits = w.bits if st.param is None else st.param.placement.to_compute(w.bits)
         qw, sw, w_new = _from_bits(bits, E4M3), w.scale, ()
     else:
         if st.param is not None:
             w = st.param.weight(w)  # the compute-dtype copy, quantised from as without `param`
-        qw, w_new = quantize(w, w_meta, E4M3, st)
-        sw, w_new = w_new[0], _restore(w_new, w_meta)
+        qw, w_new = quantize(w, _unpack(w_meta, st), E4M3, st)
+        sw, w_new = w_new[0], _pack(w_new, w_meta, st)
     sx = x_new[0]
     # The GEMM accumulates in float32 and emits the compute dtype, as Flax's fp8_ops: a float32
     # result doubled the bytes the GEMM writes in bfloat16 (compiled for h100-8, the fp8_cost
@@ -257,14 +295,14 @@ def _dot_fwd(x, w, x_meta, w_meta, g_meta, st: _Static):
     y = _rescaled(lax.dot_general(qx, qw, st.dims, preferred_element_type=st.out_dtype), sx * sw, st.out_dtype)
     # Residuals are the FP8 operands (1 byte per element), not the high-precision ones, as raw
     # bits (_to_bits: a remat policy that saves them would otherwise corrupt them).
-    res = (_to_bits(qx), _to_bits(qw), sx, sw, _restore(x_new, x_meta), w_new, g_meta)
+    res = (_to_bits(qx), _to_bits(qw), sx, sw, _pack(x_new, x_meta, st), w_new, g_meta)
     return y, res
 
 
 def _dot_bwd(st: _Static, res, g):
     bx, bw, sx, sw, x_new, w_new, g_meta = res
     qx, qw = _from_bits(bx, E4M3), _from_bits(bw, E4M3)
-    qg, g_new = quantize(g, g_meta, E5M2, st)
+    qg, g_new = quantize(g, _unpack(g_meta, st), E5M2, st)
     sg = g_new[0]
     # FP8 operands kept FP8 (lax's own transpose rule would ask for an FP8 result); the input
     # gradient emitted in the input's dtype (as y above), the weight gradient in float32 (or
@@ -277,7 +315,7 @@ def _dot_bwd(st: _Static, res, g):
         dw = _rescaled(dw.astype(jnp.float32), sx * sg, st.w_dtype)
     if isinstance(w_new, tuple) and not w_new:  # a QuantizedWeight: the master's gradient, nothing for its FP8 copy
         dw = QuantizedWeight(dw, np.zeros(bw.shape, jax.dtypes.float0), jnp.zeros_like(sw))
-    return dx, dw, x_new, w_new, _restore(g_new, g_meta)
+    return dx, dw, x_new, w_new, _pack(g_new, g_meta, st)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -310,8 +348,12 @@ class Fp8DotGeneral(nn.Module):
         if self.recipe not in RECIPES:
             raise ValueError(f"Fp8DotGeneral.recipe: must be one of {RECIPES}, got {self.recipe!r}")
         h = self.amax_history_length
+        step = self.has_variable(FP8_COLLECTION, f"input_{STEP}")  # given as step_state made it
         metas = []
         for t in TENSORS:
+            if step:
+                metas.append(self.get_variable(FP8_COLLECTION, f"{t}_{STEP}"))
+                continue
             scale = self.variable(FP8_COLLECTION, f"{t}_scale", jnp.ones, (1,), jnp.float32)
             history = self.variable(FP8_COLLECTION, f"{t}_amax_history", jnp.zeros, (h,), jnp.float32)
             stats = self.variable(FP8_COLLECTION, f"{t}_stats", jnp.zeros, (2,), jnp.float32)
@@ -324,7 +366,7 @@ class Fp8DotGeneral(nn.Module):
         dims = ((tuple(xc), tuple(yc)), (tuple(xb), tuple(yb)))
         st = _Static(dims, self.recipe, float(self.margin), tuple(self.amax_axes), jnp.dtype(out_dtype),
                      jnp.dtype(lhs.dtype), jnp.dtype(master.dtype), param,
-                     None if self.stat_axes is None else tuple(self.stat_axes))
+                     None if self.stat_axes is None else tuple(self.stat_axes), step)
         lhs, rhs = match_varying(lhs, rhs)  # the state stays as it came in (not psum-ed on transpose)
         return fp8_dot(lhs, rhs, *metas, st)
 
@@ -376,8 +418,8 @@ def _quantized(w: jax.Array, meta: tuple, st: _Static, dtype: Any, lead: int) ->
 
 
 def _quantized_fwd(w, meta, st: _Static, dtype: Any, lead: int):
-    q, new = quantize(w.astype(dtype), meta, E4M3, st, lead)  # as the dot casts a master weight
-    return QuantizedWeight(w, _to_bits(q), new[0]), _restore(new, meta)
+    q, new = quantize(w.astype(dtype), _unpack(meta, st), E4M3, st, lead)  # as the dot casts a master weight
+    return QuantizedWeight(w, _to_bits(q), new[0]), _pack(new, meta, st)
 
 
 def _quantized_bwd(st: _Static, dtype: Any, lead: int, new_meta: tuple, ct: QuantizedWeight):
@@ -448,7 +490,9 @@ def quantize_weights_now(params: Any, fp8: Any, factory: Any, dtype: Any, amax_a
     flat_params, new_state = traverse_util.flatten_dict(params), {}
     for path, dot, meta, st in _weight_dots(flat_params, fp8, factory, dtype, amax_axes):
         flat_params[path], new = _quantized_fwd(flat_params[path], meta, st, jnp.dtype(dtype), lead)
-        for k, value in zip(("scale", "amax_history", "stats"), new):
+        if st.step:
+            new_state[(*dot, f"kernel_{STEP}")] = _as_f32(new)
+        for k, value in zip(STORED, () if st.step else new):
             new_state[(*dot, f"kernel_{k}")] = _as_f32(value)
     return traverse_util.unflatten_dict(flat_params), new_state
 
@@ -468,21 +512,26 @@ def _weight_dots(flat_params: dict, fp8: Any, factory: Any, dtype: Any, amax_axe
         state = fp8
         for key in dot:
             state = state[key]
-        meta = tuple(state[f"kernel_{k}"] for k in ("scale", "amax_history", "stats"))
+        step = f"kernel_{STEP}" in state  # as step_state made it
+        meta = state[f"kernel_{STEP}"] if step else tuple(state[f"kernel_{k}"] for k in STORED)
         recipe, margin = kw.get("recipe", Fp8DotGeneral.recipe), float(kw.get("margin", Fp8DotGeneral.margin))
         st = _Static((), recipe, margin, tuple(flat_axes[path]), jnp.dtype(dtype), jnp.dtype(dtype),
-                     jnp.dtype(jnp.float32))
+                     jnp.dtype(jnp.float32), step=step)
         yield path, dot, meta, st
 
 
-def padding_value(name: str) -> float:
+def padding_value(name: str) -> float | tuple[float, ...]:
     """The value of state leaf `name` in a slot that holds no real dot (pipeline.to_stages pads an
-    uneven stack with such slots): scale 1 (a zero would divide by zero), amaxes and stats 0."""
+    uneven stack with such slots): scale 1 (a zero would divide by zero), amaxes and stats 0; a
+    step_state leaf, per entry of its last axis."""
+    if name.endswith(f"_{STEP}"):
+        return (1.0, 0.0, 0.0, 0.0)
     return 1.0 if name.endswith("_scale") else 0.0
 
 
 def overwrite(old: Any, new: Any) -> Any:
-    """The next FP8 state: the step's 'gradient' of the state is its new value (float32).
+    """The next FP8 state: the step's 'gradient' of the state is its new value (float32); where
+    `new` is step_state's form, its amaxes (the max over every use) enter the old histories here.
 
     A tensor whose new scale is not positive was not used this step (autodiff gives zero, or fm32's
     zero, -inf, for an unused input; a used one always has a scale > 0): it keeps its old state.
@@ -492,9 +541,46 @@ def overwrite(old: Any, new: Any) -> Any:
     flat_old, flat_new = traverse_util.flatten_dict(old), traverse_util.flatten_dict(new)
     out = {}
     for path, o in flat_old.items():
-        prefix = next(p for p in TENSORS if path[-1].startswith(p + "_"))
-        scale = flat_new[(*path[:-1], f"{prefix}_scale")]
-        out[path] = jnp.where(scale > 0, flat_new[path].astype(o.dtype), o)  # [..., 1] broadcasts
+        prefix = _prefix(path[-1])
+        packed = flat_new.get((*path[:-1], f"{prefix}_{STEP}"))
+        if packed is None:
+            scale, value = flat_new[(*path[:-1], f"{prefix}_scale")], flat_new[path]
+        else:  # step_state's [scale, amax, saturated, flushed]: the amax enters the history here
+            scale, amax, stats = _split(packed)
+            value = {"scale": scale, "amax_history": push_history(o, amax.astype(o.dtype)),
+                     "stats": stats}[path[-1][len(prefix) + 1:]]
+        out[path] = jnp.where(scale > 0, value.astype(o.dtype), o)  # [..., 1] broadcasts
+    return traverse_util.unflatten_dict(out)
+
+
+def _prefix(name: str) -> str:
+    return next(p for p in TENSORS if name.startswith(p + "_"))
+
+
+def step_state(fp8: Any, cfg: Fp8Config) -> Any:
+    """The stored state as one train step's dots read it: per tensor one `{t}_step` [..., 4] of
+    [scale (`delayed`: the scale this step uses, from the history, computed here once per step;
+    `current`: the previous scale, the fallback for a zero amax), amax (a slot: its "gradient" is
+    the max of the uses' amaxes), the two stats (as request_telemetry set them)].
+    `overwrite(stored, new)` pushes the new amaxes into the stored histories.
+
+    Why: with the history in the differentiated state every use of a tensor (each layer, tick and
+    remat recomputation) took the max of its history of 1,024 and rolled it into a new one, and
+    the backward loops stacked those histories; the emulated FP8 step on CPU spent 0.11 of the
+    plain step's time there (BUILD_NOTES.md, "FP8's cost"). Exactly the same numbers: the scale
+    and the pushed history are the formulas quantize applies at each use, applied once."""
+    if not fp8:
+        return fp8
+    flat, out = traverse_util.flatten_dict(fp8), {}
+    for path in flat:
+        prefix = _prefix(path[-1])
+        if path[-1] != f"{prefix}_scale":
+            continue
+        scale, history, stats = (flat[(*path[:-1], f"{prefix}_{k}")] for k in STORED)
+        if cfg.recipe == "delayed":
+            scale = compute_scale(jnp.max(history, axis=-1, keepdims=True), scale, fp8_max(QDTYPES[prefix]),
+                                  cfg.margin).astype(scale.dtype)
+        out[(*path[:-1], f"{prefix}_{STEP}")] = jnp.concatenate([scale, jnp.zeros_like(scale), stats], axis=-1)
     return traverse_util.unflatten_dict(out)
 
 

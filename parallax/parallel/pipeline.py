@@ -56,7 +56,10 @@ def to_stages(layers: Any, schedule: Schedule, fill: Callable[[str], float] | No
     def reshape(path: Any, x: jax.Array) -> jax.Array:
         if extra:
             value = fill(getattr(path[-1], "key", str(path[-1]))) if fill is not None else 0
-            slots = jax.lax.full((extra, *x.shape[1:]), value, x.dtype)  # constants: no cotangent
+            if isinstance(value, tuple):  # one value per entry of the last axis (fp8.step_state's leaves)
+                slots = jax.lax.concatenate([jax.lax.full((extra, *x.shape[1:-1], 1), v, x.dtype) for v in value], x.ndim - 1)
+            else:
+                slots = jax.lax.full((extra, *x.shape[1:]), value, x.dtype)  # constants: no cotangent
             x = jax.lax.concatenate([x, slots], 0)
         return x.reshape(r, p, x.shape[0] // (r * p), *x.shape[1:])
 
