@@ -441,6 +441,44 @@ def test_step_state_gives_the_stored_states_numbers(name):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
 
 
+# On XLA:CPU, which converts FP8 matmul operands to float32, a weight quantised once per step is
+# kept as its float32 value (fp8._Static.emulated): the same steps as with its E4M3 bits.
+EMULATED_LAYOUTS = {
+    "d1": (MeshConfig(data=1), ParallelConfig()),
+    "zero1_d2_t2": (MeshConfig(data=2, tensor=2), ParallelConfig(zero=1)),
+    "gpipe_d2_p2": (MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2, remat="full")),
+    "1f1b_p2": (MeshConfig(data=1, pipe=2), ParallelConfig(microbatches=2, schedule="1f1b")),
+}
+
+
+@pytest.mark.parametrize("name", list(EMULATED_LAYOUTS))
+def test_emulated_weights_take_the_same_steps_as_their_e4m3_bits(name):
+    from parallax.train.train_state import make_model
+
+    mesh_cfg, parallel = EMULATED_LAYOUTS[name]
+    cfg = dataclasses.replace(TINY, mesh=mesh_cfg, parallel=parallel)
+    mesh = make_mesh(cfg.mesh, available_devices(mesh_cfg.data * mesh_cfg.tensor * mesh_cfg.pipe))
+    rows = np.random.default_rng(2).integers(0, 256, (8, 17)).astype(np.int32)
+    finals, to_bits = {}, {}
+    for platform in ("cpu", "accelerator"):  # the mesh's own (emulated), the bits as on a GPU
+        layout = make_layout(cfg, mesh, model=make_model(cfg, attention="xla", platform=platform))
+        assert layout.model.dot_general.keywords["emulated"] == (platform == "cpu")
+        state, step = init_state(cfg, layout), make_train_step(cfg, layout)
+        batch = jax.device_put({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, batch_sharding(mesh))
+        # FP8 values stored as raw bytes (fp8._to_bits): activations always, weights only as bits
+        to_bits[platform] = str(jax.make_jaxpr(step)(state, batch)).count("new_dtype=uint8")
+        for _ in range(2):
+            state, metrics = step(state, batch)
+        finals[platform] = (state, metrics["loss"])
+    assert 0 < to_bits["cpu"] < to_bits["accelerator"]
+    # ZeRO-3 gathers the quantised weights: their E4M3 bits, a quarter of float32's bytes, on CPU too
+    zero3 = dataclasses.replace(cfg, parallel=dataclasses.replace(parallel, zero=3))
+    assert make_model(zero3, attention="xla", platform="cpu").dot_general.keywords["emulated"] is False
+    assert np.isfinite(float(finals["cpu"][1]))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(finals["cpu"]), jax.tree.leaves(finals["accelerator"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
 # ZeRO-3 with remat `none` (transformer.remat_policy: everything saved but the gathered weights).
 # Adam eps 1e-2 as in tests/test_fp8_pipeline.py: updates Lipschitz in the gradient across layouts.
 ZERO3_BASE = dataclasses.replace(TINY, optim=OptimConfig(warmup_steps=1, eps=1e-2))

@@ -136,6 +136,9 @@ class _Static(NamedTuple):
     stat_axes: tuple[str, ...] | None = None
     # The state comes as step_state made it: one [..., 4] per tensor, not (scale, history, stats)
     step: bool = False
+    # FP8 emulated by the compiler (XLA:CPU converts FP8 matmul operands to float32): a weight
+    # quantised once per step is kept as its exact float32 value (quantize_weights)
+    emulated: bool = False
 
 
 def _as_f32(x: jax.Array) -> jax.Array:
@@ -259,7 +262,19 @@ def _to_bits(q: jax.Array) -> jax.Array:
 
 
 def _from_bits(b: jax.Array, dtype: Any) -> jax.Array:
-    return lax.bitcast_convert_type(b, dtype)
+    """The FP8 operand from its raw bytes; an emulated weight's float32 value as it is."""
+    return b if b.dtype == jnp.float32 else lax.bitcast_convert_type(b, dtype)
+
+
+def _weight_bits(q: jax.Array) -> jax.Array:
+    """A residual FP8 weight as _to_bits stores it; an emulated weight's float32 value as it is."""
+    return q if q.dtype == jnp.float32 else _to_bits(q)
+
+
+def _operand(q: jax.Array, other: jax.Array) -> jax.Array:
+    """An FP8 operand in the float32 of an emulated weight it meets (lax.dot_general takes one
+    operand type): the value the compiler would convert it to anyway."""
+    return q.astype(jnp.float32) if other.dtype == jnp.float32 else q
 
 
 def _rescaled(product: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
@@ -292,10 +307,11 @@ def _dot_fwd(x, w, x_meta, w_meta, g_meta, st: _Static):
     # result doubled the bytes the GEMM writes in bfloat16 (compiled for h100-8, the fp8_cost
     # layout: 751.7 -> 736.1 MiB per step with dx below); the product is rounded once more
     # after the scale (<= 1 ulp of the compute dtype, far inside E4M3's 2^-4)
-    y = _rescaled(lax.dot_general(qx, qw, st.dims, preferred_element_type=st.out_dtype), sx * sw, st.out_dtype)
+    y = _rescaled(lax.dot_general(_operand(qx, qw), qw, st.dims, preferred_element_type=st.out_dtype), sx * sw,
+                  st.out_dtype)
     # Residuals are the FP8 operands (1 byte per element), not the high-precision ones, as raw
     # bits (_to_bits: a remat policy that saves them would otherwise corrupt them).
-    res = (_to_bits(qx), _to_bits(qw), sx, sw, _pack(x_new, x_meta, st), w_new, g_meta)
+    res = (_to_bits(qx), _weight_bits(qw), sx, sw, _pack(x_new, x_meta, st), w_new, g_meta)
     return y, res
 
 
@@ -307,14 +323,15 @@ def _dot_bwd(st: _Static, res, g):
     # FP8 operands kept FP8 (lax's own transpose rule would ask for an FP8 result); the input
     # gradient emitted in the input's dtype (as y above), the weight gradient in float32 (or
     # param.grad_dtype), as in Flax.
-    dx = _rescaled(dot_grad_lhs(qg, qw, st.dims, qx.ndim, st.x_dtype), sw * sg, st.x_dtype)
+    dx = _rescaled(dot_grad_lhs(_operand(qg, qw), qw, st.dims, qx.ndim, st.x_dtype), sw * sg, st.x_dtype)
     if st.param is None:
         dw = _rescaled(dot_grad_rhs(qg, qx, st.dims, qw.ndim, jnp.float32), sx * sg, st.w_dtype)
     else:  # the partial sums leave the matmul, and are reduced, in grad_dtype; scaled after
         dw = st.param.placement.to_storage(dot_grad_rhs(qg, qx, st.dims, qw.ndim, st.param.grad_dtype))
         dw = _rescaled(dw.astype(jnp.float32), sx * sg, st.w_dtype)
     if isinstance(w_new, tuple) and not w_new:  # a QuantizedWeight: the master's gradient, nothing for its FP8 copy
-        dw = QuantizedWeight(dw, np.zeros(bw.shape, jax.dtypes.float0), jnp.zeros_like(sw))
+        no_bits = jnp.zeros_like(bw) if bw.dtype == jnp.float32 else np.zeros(bw.shape, jax.dtypes.float0)
+        dw = QuantizedWeight(dw, no_bits, jnp.zeros_like(sw))
     return dx, dw, x_new, w_new, _pack(g_new, g_meta, st)
 
 
@@ -339,6 +356,7 @@ class Fp8DotGeneral(nn.Module):
     margin: float = 0.0
     amax_axes: tuple[str, ...] = ()
     stat_axes: tuple[str, ...] | None = None  # the telemetry's (None: amax_axes; _Static.stat_axes)
+    emulated: bool = False  # _Static.emulated: read by quantize_weights from the factory's keywords
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
@@ -375,18 +393,19 @@ class Fp8DotGeneral(nn.Module):
 # Wiring: factories for the model, the state's way through the train step, telemetry
 
 
-def make_fp8_dot_general(cfg: Fp8Config, amax_axes: tuple[str, ...] = ()) -> Any:
-    """A `DotGeneralFactory` (layers.py) building one FP8 dot with `cfg`'s recipe."""
+def make_fp8_dot_general(cfg: Fp8Config, amax_axes: tuple[str, ...] = (), emulated: bool = False) -> Any:
+    """A `DotGeneralFactory` (layers.py) building one FP8 dot with `cfg`'s recipe. `emulated`: the
+    compiler emulates FP8 matmuls (XLA:CPU), _Static.emulated."""
     return functools.partial(Fp8DotGeneral, recipe=cfg.recipe, amax_history_length=cfg.amax_history_length,
-                             margin=cfg.margin, amax_axes=tuple(amax_axes))
+                             margin=cfg.margin, amax_axes=tuple(amax_axes), emulated=emulated)
 
 
-def transformer_dot_generals(cfg: Fp8Config) -> dict[str, Any]:
+def transformer_dot_generals(cfg: Fp8Config, emulated: bool = False) -> dict[str, Any]:
     """Transformer(...) keyword arguments for `cfg`: {} when FP8 is off. The logits matmul only with
     `fp8.logits`; the embedding lookup never (a gather, vocab.Embed)."""
     if not cfg.enabled:
         return {}
-    factory = make_fp8_dot_general(cfg)
+    factory = make_fp8_dot_general(cfg, emulated=emulated)
     return {"dot_general": factory, "logits_dot_general": factory if cfg.logits else None}
 
 
@@ -419,7 +438,10 @@ def _quantized(w: jax.Array, meta: tuple, st: _Static, dtype: Any, lead: int) ->
 
 def _quantized_fwd(w, meta, st: _Static, dtype: Any, lead: int):
     q, new = quantize(w.astype(dtype), _unpack(meta, st), E4M3, st, lead)  # as the dot casts a master weight
-    return QuantizedWeight(w, _to_bits(q), new[0]), _pack(new, meta, st)
+    # emulated: the float32 value, converted here once, not at every use inside the loops (the
+    # compiler would convert the FP8 operand at each); exactly the FP8 value, 4 bytes a weight
+    bits = q.astype(jnp.float32) if st.emulated else _to_bits(q)
+    return QuantizedWeight(w, bits, new[0]), _pack(new, meta, st)
 
 
 def _quantized_bwd(st: _Static, dtype: Any, lead: int, new_meta: tuple, ct: QuantizedWeight):
@@ -516,7 +538,7 @@ def _weight_dots(flat_params: dict, fp8: Any, factory: Any, dtype: Any, amax_axe
         meta = state[f"kernel_{STEP}"] if step else tuple(state[f"kernel_{k}"] for k in STORED)
         recipe, margin = kw.get("recipe", Fp8DotGeneral.recipe), float(kw.get("margin", Fp8DotGeneral.margin))
         st = _Static((), recipe, margin, tuple(flat_axes[path]), jnp.dtype(dtype), jnp.dtype(dtype),
-                     jnp.dtype(jnp.float32), step=step)
+                     jnp.dtype(jnp.float32), step=step, emulated=bool(kw.get("emulated", False)))
         yield path, dot, meta, st
 
 
@@ -566,9 +588,10 @@ def step_state(fp8: Any, cfg: Fp8Config) -> Any:
 
     Why: with the history in the differentiated state every use of a tensor (each layer, tick and
     remat recomputation) took the max of its history of 1,024 and rolled it into a new one, and
-    the backward loops stacked those histories; the emulated FP8 step on CPU spent 0.11 of the
-    plain step's time there (BUILD_NOTES.md, "FP8's cost"). Exactly the same numbers: the scale
-    and the pushed history are the formulas quantize applies at each use, applied once."""
+    the backward loops stacked three leaves per tensor; measured on CPU (issue 22's layout, one
+    process, BUILD_NOTES.md "step_state"): 5,505 -> 4,482 kernels per step, the FP8 / plain step
+    ratio 1.442 -> 1.374. Exactly the same numbers (tests/test_fp8.py): the scale and the pushed
+    history are the formulas quantize applies at each use, applied once."""
     if not fp8:
         return fp8
     flat, out = traverse_util.flatten_dict(fp8), {}

@@ -46,7 +46,7 @@ class QuantizedWeight(NamedTuple):
     returns the master's gradient as `master`'s cotangent (straight through, as before)."""
 
     master: jax.Array  # float32 [...]: only its cotangent is used
-    bits: jax.Array  # uint8 [...]: the E4M3 weight, master / scale rounded
+    bits: jax.Array  # uint8 [...]: the E4M3 weight, master / scale rounded (float32, its exact value, where emulated)
     scale: jax.Array  # float32 [1]
 
 

@@ -96,15 +96,19 @@ def _init_params(model: Transformer, cfg: Config, rng: jax.Array, schedule: Sche
     return params
 
 
-def make_model(cfg: Config, cls: type[Transformer] = Transformer, attention: str = "xla") -> Transformer:
+def make_model(cfg: Config, cls: type[Transformer] = Transformer, attention: str = "xla",
+               platform: str = "accelerator") -> Transformer:
     """The model `cfg` describes, with its parallelism injected: FP8 dots, ZeRO-3's placer, the
     expert exchange, the attention kernel (`attention`: the resolved kernel,
     parallelism.attention_kernel; make_layout passes the mesh platform's). `cls`: a Transformer
-    subclass (a benchmark's variant) made the same way."""
+    subclass (a benchmark's variant) made the same way. `platform` 'cpu': XLA:CPU emulates the
+    FP8 matmuls, so the weights quantised once per step are kept as float32 values there
+    (fp8._Static.emulated), but for ZeRO-3, which gathers them: as float32 that would move four
+    times the bytes of their E4M3 bits."""
     return cls(cfg.model, remat=cfg.parallel.remat, grad_dtype=cfg.parallel.grad_reduce_dtype,
                placer=param_placer(cfg.parallel), exchange=EXPERT_EXCHANGE, loss_chunk=cfg.parallel.loss_chunk,
                attention_chunk=cfg.parallel.attention_chunk, attend=make_attend(attention),
-               **transformer_dot_generals(cfg.fp8))
+               **transformer_dot_generals(cfg.fp8, emulated=platform == "cpu" and cfg.parallel.zero < 3))
 
 
 def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = None,
@@ -118,7 +122,7 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
     elif not par.matches(cfg, dict(mesh.shape)):
         raise ConfigError(f"make_layout: the Parallelism given was checked for {par.sizes} and other parallel "
                           f"settings, not for this config on mesh {dict(mesh.shape)}")
-    model = model or make_model(cfg, attention=par.attention)  # the kernel of the mesh's platform
+    model = model or make_model(cfg, attention=par.attention, platform=par.platform)  # the mesh platform's kernels
     schedule = par.schedule
     logical_specs = nn.get_partition_spec(jax.eval_shape(lambda r: _init_boxed(model, cfg, r), jax.random.key(0)))
     param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
