@@ -135,7 +135,7 @@ def target_pair(target: str, schedule: str = "gpipe") -> dict:
         step = compile_step(cfg, target=target)
         moved = kernel_bytes(step.hlo, scope=TELEMETRY_SCOPE)
         # kernel_bytes: a step that does not log the FP8 telemetry (its kernels run only on the steps
-        # that log it, fp8.request_telemetry); telemetry_bytes: what a step that logs it adds
+        # that log it, fp8_state.request_telemetry); telemetry_bytes: what a step that logs it adds
         out[name] = {"bytes_accessed": (step.cost or {}).get("bytes accessed"), "hlo": hlo_counts(step.hlo),
                      "kernel_bytes": moved["total"] - moved["scoped"], "telemetry_bytes": moved["scoped"],
                      "compile_s": step.compile_s,

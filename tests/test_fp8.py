@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 from parallax import parallelism
 from parallax.config import Config, ConfigError, Fp8Config, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from parallax.model.fp8 import FP8_COLLECTION, NO_TELEMETRY, Fp8DotGeneral, fp8_metrics, fp8_variables, overwrite
+from parallax.model.fp8 import FP8_COLLECTION, NO_TELEMETRY, Fp8DotGeneral, fp8_variables
+from parallax.model.fp8_state import fp8_metrics, overwrite
 from parallax.parallel.mesh import available_devices, make_mesh
 from parallax.cli import main
 from parallax.model.transformer import remat_policy
@@ -399,13 +400,13 @@ def test_fp8_state_after_steps_is_the_same_on_one_device_and_data2_tensor2(runs)
         assert sharding.spec == P() and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
 
 
-# The train step reads the state as fp8.step_state makes it (each delayed scale computed once per
+# The train step reads the state as fp8_state.step_state makes it (each delayed scale computed once per
 # step, each use's amax pushed into the history once, in `overwrite`): the same numbers as the
 # stored state read at every use. One step first, so the histories are not all zero.
 STEP_STATE_LAYOUTS = {
     "d1_delayed": (MeshConfig(data=1), ParallelConfig(), "delayed"),
     "d1_current": (MeshConfig(data=1), ParallelConfig(remat="full"), "current"),
-    # 3 layers on 2 stages: a padded slot (fp8.padding_value's per-entry fill)
+    # 3 layers on 2 stages: a padded slot (fp8_state.padding_value's per-entry fill)
     "gpipe_d2_p2_uneven": (MeshConfig(data=2, pipe=2), ParallelConfig(microbatches=2), "delayed"),
     "1f1b_p2": (MeshConfig(data=1, pipe=2), ParallelConfig(microbatches=2, schedule="1f1b"), "delayed"),
 }
@@ -413,7 +414,7 @@ STEP_STATE_LAYOUTS = {
 
 @pytest.mark.parametrize("name", list(STEP_STATE_LAYOUTS))
 def test_step_state_gives_the_stored_states_numbers(name):
-    from parallax.model.fp8 import request_telemetry, step_state
+    from parallax.model.fp8_state import request_telemetry, step_state
     from parallax.train.train_step import make_value_and_grad
 
     mesh_cfg, parallel, recipe = STEP_STATE_LAYOUTS[name]

@@ -11,7 +11,7 @@ from parallax.analysis.hlo import collectives
 from parallax import parallelism
 from parallax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from parallax.parallel.mesh import available_devices, make_mesh
-from parallax.model.fp8 import padding_value
+from parallax.model.fp8_state import padding_value
 from parallax.parallelism import Schedule
 from parallax.parallel.pipeline import to_layer_major, to_stages, unit_mask
 from parallax.train.train_state import init_state, make_layout

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from parallax.model.fp8 import FP8_COLLECTION, combined_over, padding_value, quantize_weights, scales_each_use
+from parallax.model.fp8 import FP8_COLLECTION, combined_over, quantize_weights, scales_each_use
+from parallax.model.fp8_state import padding_value
 from parallax.model.layers import QuantizedWeight
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
@@ -45,7 +46,7 @@ def to_stages(layers: Any, schedule: Schedule, fill: Callable[[str], float] | No
     `schedule.padding` slots at the end when R*P does not divide L (uneven stages).
 
     Parameters and optimizer moments pad with zeros (the slots are masked to identity, so they
-    stay zero). The FP8 state pads with `fill(leaf name)`, fp8.padding_value: a scale of 1, so no
+    stay zero). The FP8 state pads with `fill(leaf name)`, fp8_state.padding_value: a scale of 1, so no
     padded slot divides by zero, and empty histories. The pad is a concatenation with constants,
     so its transpose is a slice: the padded slots' new state (their "cotangent") is dropped and
     never reaches a real layer. (An `edge` pad copied layer L-1's state into the slots; its
@@ -56,8 +57,9 @@ def to_stages(layers: Any, schedule: Schedule, fill: Callable[[str], float] | No
     def reshape(path: Any, x: jax.Array) -> jax.Array:
         if extra:
             value = fill(getattr(path[-1], "key", str(path[-1]))) if fill is not None else 0
-            if isinstance(value, tuple):  # one value per entry of the last axis (fp8.step_state's leaves)
-                slots = jax.lax.concatenate([jax.lax.full((extra, *x.shape[1:-1], 1), v, x.dtype) for v in value], x.ndim - 1)
+            if isinstance(value, tuple):  # one value per entry of the last axis (fp8_state.step_state's leaves)
+                columns = [jax.lax.full((extra, *x.shape[1:-1], 1), v, x.dtype) for v in value]
+                slots = jax.lax.concatenate(columns, x.ndim - 1)
             else:
                 slots = jax.lax.full((extra, *x.shape[1:]), value, x.dtype)  # constants: no cotangent
             x = jax.lax.concatenate([x, slots], 0)

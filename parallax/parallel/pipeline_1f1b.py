@@ -73,7 +73,8 @@ from jax.sharding import PartitionSpec as P
 
 from flax import traverse_util
 
-from parallax.model.fp8 import FP8_COLLECTION, META_DTYPE, padding_value, quantize_weights_now, scales_each_use
+from parallax.model.fp8 import FP8_COLLECTION, META_DTYPE, quantize_weights_now, scales_each_use
+from parallax.model.fp8_state import padding_value
 from parallax.model.layers import QuantizedWeight
 from parallax.model.transformer import Transformer, moe_stat_shapes
 from parallax.model.vocab import sum_shards

@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallax.config import Config, logs_at
 from parallax.model.transformer import moe_loss
-from parallax.model.fp8 import FP8_COLLECTION, fp8_metrics, fp8_variables, overwrite, request_telemetry, step_state
+from parallax.model.fp8 import FP8_COLLECTION, fp8_variables
+from parallax.model.fp8_state import fp8_metrics, overwrite, request_telemetry, step_state
 from parallax.train.optim import applied_count, make_lr_schedule
 from parallax.parallelism import reduces_once
 from parallax.parallel.sharding import BATCH_AXES, logical_context
@@ -259,7 +260,7 @@ def make_train_step(cfg: Config, layout: Layout) -> Callable[[TrainState, Batch]
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         # FP8's saturation and flush telemetry only on the steps the loop logs (fp8.quantize)
-        # and each tensor's delayed scale from its history once per step, not at every use (fp8.step_state)
+        # and each tensor's delayed scale from its history once per step, not at every use (fp8_state.step_state)
         fp8_in = step_state(request_telemetry(state.fp8, logs_at(cfg.train, state.step + 1)), cfg.fp8)
         (loss, (ce, stats)), (grads, fp8_new), *norms = value_and_grad(state.params, batch, fp8_in)
         grad_norm = optax.tree.norm(grads)
