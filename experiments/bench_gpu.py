@@ -20,10 +20,12 @@ Cases (CASES below; adding one is one line):
 Size (GPU): d_model 2048, 18 layers, 16 heads (head dim 128), 8 kv heads, SwiGLU d_ff 5632, vocab
 32000: 0.98B parameters (computed by `parallax.model.transformer.count_params`, printed). Batch 8 x 2048 =
 16,384 tokens per step (random tokens: speed, not learning), ~97 TFLOP per step (6N + causal
-attention). remat `dots`: jax.nn.dot_product_attention takes its XLA path here (not cuDNN flash),
-which would keep [N, T, T] scores per layer: about 160 GiB per device at this batch with remat none
-(the cost model's figure, printed as `predicted memory`); `dots` keeps matmul outputs and recomputes
-the attention, ~39 GiB predicted. The recomputation is not counted in MFU (model FLOPs only).
+attention). model.attention auto: cuDNN flash attention on the GPU (no [N, T, T] scores). remat
+`dots` was chosen when attention took XLA's path (about 160 GiB with remat none then); with cuDNN,
+remat none compiles to 50.2 GiB for h200-1 (not run) and `dots` ran at 26.2 GiB (measured on the
+H200, 2026-12-04: BUILD_NOTES.md, "First run on a GPU"); the figures recorded are `dots`'. The
+recomputation is not counted in MFU (model FLOPs only). `predicted` is the cost model's memory for
+the attention kernel the step runs.
 
 Each case runs in its own child process (this script with --worker): a device's high-water mark
 (`memory_stats()['peak_bytes_in_use']`) cannot be reset, so one process per case makes it that
@@ -113,6 +115,7 @@ def run_case(case: Case, tiny: bool, warmup: int, rounds: int, steps: int) -> di
 
     from parallax.analysis.cost import Grid, Workload, memory_parts
     from parallax.parallel.mesh import available_devices
+    from parallax.parallelism import attention_kernel
     from parallax.train.metrics import mfu, peak_flops, tflops_per_device
     from parallax.model.transformer import active_params, count_params, flops_per_token
 
@@ -124,12 +127,18 @@ def run_case(case: Case, tiny: bool, warmup: int, rounds: int, steps: int) -> di
     t0 = time.perf_counter()
     compiled = train_step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
-    hlo = fp8_gemm_report(compiled.as_text())
+    print(f"{case.name}: compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)  # seen even if the case times out
+    text = compiled.as_text()
+    hlo = fp8_gemm_report(text)
+    cost = compiled.cost_analysis() or {}  # XLA's own count; a list of one dict in older jax
+    cost = cost[0] if isinstance(cost, list) else cost
     mem = compiled.memory_analysis()  # as parallax.analysis.audit reads it: peak = arg + out - alias + temp
     xla_peak = None if mem is None else int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                                             - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
     platform = "cpu" if device.platform == "cpu" else "accelerator"
-    predicted = float(memory_parts(Workload.of(cfg), Grid.of(cfg, dict(mesh.shape)), platform)["total"])
+    # the attention the step runs (cuDNN on a GPU): the XLA path's [N, T, T] scores are not there
+    kernel = attention_kernel(cfg, device.platform)
+    predicted = float(memory_parts(Workload.of(cfg), Grid.of(cfg, dict(mesh.shape)), platform, kernel)["total"])
 
     losses = []
     for _ in range(warmup):
@@ -161,6 +170,10 @@ def run_case(case: Case, tiny: bool, warmup: int, rounds: int, steps: int) -> di
         "mfu_fp8_peak": mfu(flops, step_s, 1, peak_flops(kind, fp8=True)) if case.fp8 else None,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "bytes_limit": stats.get("bytes_limit"),
         "xla_memory_bytes": xla_peak, "predicted_memory_bytes": predicted,
+        "xla_bytes_accessed": cost.get("bytes accessed"), "xla_flops": cost.get("flops"),
+        "attention": kernel, "cudnn_attention_calls": text.count("__cudnn$fmha"),
+        "memory_parts": None if mem is None else {k: int(getattr(mem, f"{k}_size_in_bytes"))
+                                                  for k in ("argument", "output", "alias", "temp")},
         "hlo": hlo, "fp8_gemm_present": hlo["fp8_gemms"] > 0, "fp8_gemms_expected": MIN_FP8_GEMMS if case.fp8 else 0,
         "losses": losses, "finite": all(np.isfinite(losses)),
     }

@@ -177,3 +177,23 @@ def test_bench_gpu_tiny(tmp_path):
     assert figures["pending"] == {}
     assert all(c["verdict"] == "n/a" for c in figures["summary"]["checks"].values())  # tiny CPU: no verdicts
     assert "fp8 gemm" in proc.stdout and "not present" in proc.stdout
+
+
+def test_gpu_checks_tiny(tmp_path):
+    """experiments/gpu_checks.py on CPU: the script's own check (XLA attention in bfloat16 against
+    float32, the FP8 matmul against the CPU emulation, which it is); the cuDNN rows and the FP8 GEMM
+    verdict exist only on a GPU, and the CPU run must not invent them."""
+    out = tmp_path / "checks.json"
+    proc = subprocess.run([sys.executable, "experiments/gpu_checks.py", "--tiny", "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["device"].startswith("cpu")
+    for rows in ("unpacked", "packed"):
+        row = figures["attention_numerics"][rows]
+        assert len(row["xla_bf16"]) == 4 and all(0 < e < 0.01 for e in row["xla_bf16"]), row  # out, dq, dk, dv
+        assert "cudnn_bf16" not in row
+    assert set(figures["attention_cost"]) == {"shape", "xla", "wall_s"} and figures["attention_cost"]["xla"]["cudnn_calls"] == 0
+    fp8 = figures["fp8_gemm"]
+    assert fp8["fp8_gemms"] == 0 and fp8["rel_vs_cpu_emulation"] == 0  # XLA:CPU: the emulation itself
+    assert 0.01 < fp8["rel_vs_float64"] < 0.08  # E4M3's rounding of both operands
