@@ -260,12 +260,9 @@ RULES: tuple[Rule, ...] = (
                    "amaxes)", layout=False),
     # Packed documents (data.eod_id >= 0): the masked loss is a mean over the whole batch's kept
     # tokens. The pipelines carry the segment ids and positions through the stages; GPipe and
-    # circular run the head on the whole batch, 1F1B weighs each microbatch's mean by its share of
-    # the kept tokens. grad_accum's microsteps and the noise scale's shards would take a mean of
-    # means (equal only when every part keeps as many tokens).
-    Rule("packed_accum", lambda v: np.asarray(v.cfg.data.eod_id < 0 or v.cfg.train.grad_accum == 1),
-         lambda v: f"data.eod_id={v.cfg.data.eod_id} (packed documents): not with train.grad_accum="
-                   f"{v.cfg.train.grad_accum} yet; use train.grad_accum=1 or data.eod_id=-1", layout=False),
+    # circular run the head on the whole batch, 1F1B and grad_accum's microsteps weigh each part's
+    # mean by its share of the kept tokens. The noise scale's per-shard gradients would be means
+    # of different token counts, and its small-batch estimate assumes equal ones.
     Rule("packed_noise", lambda v: np.asarray(v.cfg.data.eod_id < 0 or not v.cfg.train.noise_scale),
          lambda v: f"data.eod_id={v.cfg.data.eod_id} (packed documents): not with train.noise_scale yet; "
                    "use data.eod_id=-1", layout=False),

@@ -25,12 +25,12 @@ from parallax.config import Config, ConfigError, DataConfig, MeshConfig, ModelCo
 from parallax.model.attention import causal_attention
 from parallax.parallel.pipeline import to_layer_major
 from parallax.model.transformer import Transformer
-from parallax.parallelism import check
+from parallax.parallelism import check, reduces_once
 from parallax.train import data as data_mod
 from parallax.train.build import build
 from parallax.train.data import DOC_KEYS, STDLIB_EOD, make_global_batch, open_data, split_batch, stdlib_files
 from parallax.train.train_state import init_state
-from parallax.train.train_step import make_grad_fn
+from parallax.train.train_step import accumulate, make_grad_fn
 from numerics import assert_trees_close
 from test_cli import QUICKSTART, TINY, _assert_one_error_line, _make_workdir, _sets, _snapshot
 
@@ -317,14 +317,36 @@ def test_packed_step_in_pipeline_stages_equals_the_documents_alone(mesh, paralle
     assert_trees_close(grads, want_g["params"], GRAD_RTOL, GRAD_ATOL)
 
 
+@pytest.mark.parametrize("mesh", [MeshConfig(data=1), MeshConfig(data=2, tensor=2)], ids=["d1", "d2_t2"])
+def test_packed_grad_accum_equals_the_documents_alone(mesh):
+    """train.grad_accum=2 with packed documents (train_step.accumulate): each microstep's mean over
+    its kept tokens weighted by its share of the batch's, on 1 device and on data 2 x tensor 2,
+    where each batch shard's gradient is accumulated unreduced (parallelism.reduces_once) and
+    weighted per shard: loss, cross-entropy and gradients equal the documents alone. The rows keep
+    different numbers of tokens (_packed_rows), so an unweighted mean of the parts would not."""
+    cfg = Config(mesh=mesh, model=MODEL, data=DataConfig(eod_id=EOD),
+                 train=TrainConfig(global_batch=B, seq_len=T, grad_accum=2))
+    n = mesh.data * mesh.tensor
+    assert bool(reduces_once(2, False, False, 0, mesh.data, 1)) == (mesh.data > 1)
+    one = Config(model=MODEL, train=TrainConfig(global_batch=B, seq_len=T))
+    model = Transformer(MODEL)
+    params = {"params": init_state(one, build(one, jax.devices()[:1]).layout).params}
+    want, want_g = jax.jit(jax.value_and_grad(lambda p: _reference_loss(model, p, _packed_rows())))(params)
+    b = build(cfg, jax.devices()[:n])
+    batch = jax.device_put(split_batch(_packed_rows(), EOD), b.batch_sharding)
+    (loss, (ce, _)), (grads, _) = jax.jit(accumulate(cfg, b.layout))(init_state(cfg, b.layout).params, batch, {})
+    np.testing.assert_allclose(float(loss), float(want), rtol=LOSS_RTOL)
+    np.testing.assert_allclose(float(ce), float(want), rtol=LOSS_RTOL)
+    assert_trees_close(jax.tree.map(np.asarray, grads), want_g["params"], GRAD_RTOL, GRAD_ATOL)
+
+
 # ----------------------------------------------------------------------------------------------
 # Refusals
 
 
 @pytest.mark.parametrize("mesh, parallel, train, needles", [
-    (MeshConfig(data=4), ParallelConfig(), {"grad_accum": 2}, ["data.eod_id=3", "train.grad_accum=2"]),
     (MeshConfig(data=4), ParallelConfig(), {"noise_scale": True}, ["data.eod_id=3", "train.noise_scale"]),
-], ids=["grad_accum", "noise_scale"])
+], ids=["noise_scale"])
 def test_packed_refuses_what_it_cannot_run_yet(mesh, parallel, train, needles):
     cfg = Config(mesh=mesh, model=MODEL, parallel=parallel, data=DataConfig(eod_id=EOD),
                  train=TrainConfig(global_batch=B, seq_len=T, **train))
@@ -344,8 +366,8 @@ def test_packed_refuses_what_it_cannot_run_yet(mesh, parallel, train, needles):
     (["data.eod_id=256"], ["data.eod_id=256", "model.vocab_size=256"]),
     (["data.eod_id=7"], ["data.eod_id=7", "byte 0"]),
     (["data.eod_id=-2"], ["data.eod_id", "-1"]),
-    (["data.eod_id=0", "train.grad_accum=2"], ["data.eod_id=0", "train.grad_accum=2"]),
-], ids=["beyond_vocab", "stdlib_not_nul", "below_range", "grad_accum"])
+    (["data.eod_id=0", "train.noise_scale=true"], ["data.eod_id=0", "train.noise_scale"]),
+], ids=["beyond_vocab", "stdlib_not_nul", "below_range", "noise_scale"])
 def test_bad_packing_input_is_one_line_exit_2(tmp_path, capsys, overrides, needles):
     wd = _make_workdir(tmp_path)
     before = _snapshot(tmp_path)
@@ -366,7 +388,7 @@ def test_token_file_eod_beyond_vocab_is_one_line_exit_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("source", ["stdlib", "file"])
 def test_cli_trains_packed(tmp_path, capsys, source):
-    extra = ["data.eod_id=0"]
+    extra = ["data.eod_id=0", "train.grad_accum=2"]  # the built-in corpus, in two microsteps
     if source == "file":
         path, _ = _token_file(tmp_path)
         extra = [f"data.source={path}", "model.vocab_size=64", f"data.eod_id={EOD}"]

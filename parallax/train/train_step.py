@@ -153,6 +153,9 @@ def microsteps(batch: Batch, mesh: jax.sharding.Mesh, shards: int, steps: int) -
     return {k: split(v) for k, v in batch.items()}
 
 
+KEPT_TOTAL = "kept_total"  # accumulate's packed batch: the whole batch's kept-token count per row
+
+
 def accumulate(cfg: Config, layout: Layout) -> Callable[..., Any]:
     """train.grad_accum: make_value_and_grad's (params, batch, fp8) -> ((loss, (ce, stats)),
     (grads, fp8)) run as `steps` microsteps of B/steps rows in a `lax.scan`, so only one
@@ -170,23 +173,37 @@ def accumulate(cfg: Config, layout: Layout) -> Callable[..., Any]:
     (the carry [n, ...] over the batch axes, `_per_shard`: the per-device memory of one gradient
     laid out as the parameters, as before) and the mean over shards, the reduction over the batch
     axes, runs once after the scan; elsewhere the partitioner reduces each microstep's gradient.
+
+    Packed documents (data.eod_id >= 0): a part's cross-entropy is the mean over its own kept
+    tokens, so each is weighted by its share of the whole batch's kept tokens (times the number
+    of parts, whose mean is taken): the sum is the mean over every kept token, as without
+    microsteps (pipeline_1f1b weighs its microbatches the same way). The MoE router losses keep
+    the plain 1/steps. The batch's kept count rides in the batch as KEPT_TOTAL.
     """
     mesh, par, steps = layout.mesh, layout.parallelism, cfg.train.grad_accum
     shards = par.batch_shards
     rows = NamedSharding(mesh, P(BATCH_AXES, None))
+    packed = cfg.data.eod_id >= 0
+    moe = cfg.model.moe
+    once = bool(reduces_once(steps, cfg.fp8.enabled, bool(moe.num_experts) and moe.dispatch == "ragged", par.zero,
+                             shards, par.expert))
 
     def make_micro_loss(lay: Layout) -> Callable[..., tuple[jax.Array, Aux]]:
         loss_fn = make_loss_fn(lay)
 
         def micro_loss(params: Any, batch: Batch, fp8: Any) -> tuple[jax.Array, Aux]:
-            loss, aux = loss_fn(params, batch, fp8)
-            return loss / steps, aux
+            if not packed:
+                loss, aux = loss_fn(params, batch, fp8)
+                return loss / steps, aux
+            batch = dict(batch)
+            total = batch.pop(KEPT_TOTAL)[0, 0]  # [rows, 1], the same count in every row
+            ce, stats = loss_fn(params, batch, fp8)[1]
+            parts = steps * (shards if once else 1)
+            weight = jnp.sum(batch["loss_mask"] != 0).astype(jnp.float32) * parts / total
+            return (ce * weight + moe_loss(stats, lay.model.cfg)) / steps, (ce * weight, stats)
 
         return micro_loss
 
-    moe = cfg.model.moe
-    once = bool(reduces_once(steps, cfg.fp8.enabled, bool(moe.num_experts) and moe.dispatch == "ragged", par.zero,
-                             shards, par.expert))
     if once:  # no FP8 here (reduces_once): the state passes through
         per_shard, split = _per_shard(layout, shards, make_micro_loss)
 
@@ -216,6 +233,9 @@ def accumulate(cfg: Config, layout: Layout) -> Callable[..., Any]:
             fp8_acc = jax.tree.map(lambda a, n: jnp.maximum(a, n.astype(jnp.float32)), fp8_acc, fp8_new)
             return (acc, fp8_acc), (loss, ce, stats)
 
+        if packed:  # the whole batch's kept tokens, [B, 1] to be cut into microsteps like the rows
+            kept = jnp.maximum(jnp.sum(batch["loss_mask"] != 0), 1).astype(jnp.float32)
+            batch = {**batch, KEPT_TOTAL: jnp.broadcast_to(kept, (batch["loss_mask"].shape[0], 1))}
         (acc, fp8_new), (losses, ces, stats) = jax.lax.scan(body, (zeros, unused), microsteps(batch, mesh, shards, steps))
         if once:  # the one reduction over the batch axes: the shards' mean
             acc = jax.tree.map(lambda a: jnp.mean(a, axis=0), acc)
