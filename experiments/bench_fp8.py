@@ -174,15 +174,20 @@ def bench_gpu(device, size: str, rounds: int, steps: int) -> dict:
 # [3] Numerics
 
 
+def fp8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] @ w [K, N] as one FP8 dot (current scaling), float32 out."""
+    dims = (((1,), (0,)), ((), ()))
+    op = Fp8DotGeneral(recipe="current", amax_history_length=4)
+    variables = op.init(jax.random.key(0), x, w, dims)
+    return op.apply({FP8_COLLECTION: variables[FP8_COLLECTION]}, x, w, dims, preferred_element_type=jnp.float32)
+
+
 def matmul_error(seed: int = 0) -> float:
     """Relative Frobenius error of one FP8 matmul (current scaling) against float32."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.normal(size=(256, 128)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(128, 256)) * 0.05, jnp.float32)
-    dims = (((1,), (0,)), ((), ()))
-    op = Fp8DotGeneral(recipe="current", amax_history_length=4)
-    variables = op.init(jax.random.key(0), x, w, dims)
-    y = op.apply({FP8_COLLECTION: variables[FP8_COLLECTION]}, x, w, dims, preferred_element_type=jnp.float32)
+    y = fp8_matmul(x, w)
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     return float(np.linalg.norm(np.asarray(y) - ref) / np.linalg.norm(ref))
 

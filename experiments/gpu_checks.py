@@ -45,10 +45,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_fp8 import fp8_gemm_report  # noqa: E402
+from bench_fp8 import fp8_gemm_report, fp8_matmul  # noqa: E402
 
 from parallax.model.attention import causal_attention  # noqa: E402
-from parallax.model.fp8 import FP8_COLLECTION, Fp8DotGeneral  # noqa: E402
 from parallax.model.kernels import cudnn_attention  # noqa: E402
 
 FP8_EMULATION_REL_MAX = 5e-3  # the docstring's [3]: set after the first H200 run
@@ -122,13 +121,6 @@ def check_attention_cost(device, tiny: bool) -> dict:
                         "temp_bytes": None if mem is None else int(mem.temp_size_in_bytes),
                         "cudnn_calls": compiled.as_text().count("__cudnn$fmha")}  # which kernel really ran
     return result
-
-
-def fp8_matmul(x, w):
-    dims = (((1,), (0,)), ((), ()))
-    op = Fp8DotGeneral(recipe="current", amax_history_length=4)
-    variables = op.init(jax.random.key(0), x, w, dims)
-    return op.apply({FP8_COLLECTION: variables[FP8_COLLECTION]}, x, w, dims, preferred_element_type=jnp.float32)
 
 
 def check_fp8_gemm(device, tiny: bool) -> dict:
