@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
@@ -524,21 +525,25 @@ _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
                 "opt-barrier", "partition-id", "replica-id", "after-all", "add-dependency"}
 
 
-def kernel_bytes(hlo: str, scope: str | None = None) -> dict[str, float]:
-    """Bytes one device's kernels read and write per step, counted from the HLO with loop trips:
-    every instruction outside fusion bodies and reducers (each fusion, custom call, collective,
-    copy: one kernel) reads its operands and writes its result; an async pair counts at its start.
-    XLA's cost analysis ("bytes accessed") does the same per kernel but counts a loop body once,
-    and a compile-only GPU target gives none. `conditional`: the part inside conditional branches
-    (on every trip: an upper bound). `scope`: also `scoped`, the part of the kernels whose op_name
-    holds `scope` as a path component (a jax.named_scope: the FP8 telemetry's, which runs only on
-    the steps that log it)."""
+class Kernel(NamedTuple):
+    """One instruction that runs as a kernel (outside fusion bodies and reducers)."""
+
+    computation: str
+    name: str
+    type: str  # its result's type: `f32[8,64]{1,0}`, or a tuple `(pred[...], f8e4m3fn[...])`
+    op: str
+    line: str
+    runs: int  # executions per step (loop trips)
+    branched: bool  # inside a conditional's branch
+
+
+def kernels(hlo: str) -> Iterator[tuple[Kernel, int]]:
+    """(kernel, bytes it reads and writes) for every kernel of the step: each fusion, custom call,
+    collective, copy; an async pair at its start; nothing inside fusion bodies and reducers."""
     comps = _split_computations(hlo)
     runs, branched = _executions(comps)
     fused = {callee for lines in comps.values() for line in lines for attr, callee in called(line)
              if attr in ("calls", "to_apply") and " fusion(" in line or attr == "to_apply"}
-    total = conditional = scoped = 0.0
-    in_scope = re.compile(rf'op_name="(?:[^"]*/)?{re.escape(scope)}(?:/[^"]*)?"') if scope else None
     for comp, lines in comps.items():
         if comp in fused or comp not in runs:
             continue
@@ -553,9 +558,22 @@ def kernel_bytes(hlo: str, scope: str | None = None) -> dict[str, float]:
                 continue
             # (an async -start's tuple result holds its operand too: counted twice, a small excess)
             moved = _shape_bytes(typ) + sum(_shape_bytes(types.get(o, "")) for o in _operands(rest))
-            total += moved * runs[comp]
-            conditional += moved * runs[comp] if comp in branched else 0.0
-            scoped += moved * runs[comp] if in_scope and in_scope.search(line) else 0.0
+            yield Kernel(comp, name, typ, op, line, runs[comp], comp in branched), moved
+
+
+def kernel_bytes(hlo: str, scope: str | None = None) -> dict[str, float]:
+    """Bytes one device's kernels read and write per step, counted from the HLO with loop trips
+    (`kernels`). XLA's cost analysis ("bytes accessed") does the same per kernel but counts a loop
+    body once, and a compile-only GPU target gives none. `conditional`: the part inside
+    conditional branches (on every trip: an upper bound). `scope`: also `scoped`, the part of the
+    kernels whose op_name holds `scope` as a path component (a jax.named_scope: the FP8
+    telemetry's, which runs only on the steps that log it)."""
+    total = conditional = scoped = 0.0
+    in_scope = re.compile(rf'op_name="(?:[^"]*/)?{re.escape(scope)}(?:/[^"]*)?"') if scope else None
+    for k, moved in kernels(hlo):
+        total += moved * k.runs
+        conditional += moved * k.runs if k.branched else 0.0
+        scoped += moved * k.runs if in_scope and in_scope.search(k.line) else 0.0
     return {"total": total, "conditional": conditional} | ({"scoped": scoped} if scope else {})
 
 

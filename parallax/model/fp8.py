@@ -209,7 +209,15 @@ def quantize(x: jax.Array, meta: tuple, qdtype: Any, st: _Static, lead: int = 0)
     # varies as x and the scale do, but over amax_axes, which its pmean reduces)
     skip_axes = sorted((varying_axes(x) | varying_axes(new_scale)) - set(_stat_axes(st)))
     asked = stats.reshape(-1)[0] >= 0  # request_telemetry asks every tensor alike
-    new_stats = lax.cond(asked, lambda: _telemetry(x, new_scale, qdtype, st, lead),
+    # A stack of weights' telemetry (lead > 0: quantize_weights) reads the stack behind a
+    # barrier, in a reduction of its own: XLA:GPU otherwise fused the comparisons into the weights'
+    # transposing casts and wrote them out as pred masks the size of every stacked weight for a
+    # separate reduction (1.58 GiB of bench_gpu's dense FP8 step compiled for h200-1, where the
+    # conditional becomes a select and runs on every step: BUILD_NOTES.md). A barrier on the
+    # master instead left the masks. An activation's telemetry stays where XLA puts it, in the
+    # cast-and-amax fusion that reads the tensor anyway.
+    seen = (lambda: lax.optimization_barrier(x)) if lead else (lambda: x)
+    new_stats = lax.cond(asked, lambda: _telemetry(seen(), new_scale, qdtype, st, lead),
                          lambda: vary(jnp.full(stats.shape, NO_TELEMETRY, jnp.float32), skip_axes))
     # typed as the incoming state (a state combined_over the batch axes varies over them, while
     # the fractions, averaged over them, do not)

@@ -101,10 +101,8 @@ def fp8_metrics(fp8: Any) -> dict[str, jax.Array]:
         return {}
     groups: dict[tuple[str, str], list[jax.Array]] = {}
     for path, leaf in traverse_util.flatten_dict(fp8).items():
-        name = path[-1]
-        for prefix, kind in TENSORS.items():
-            if name.startswith(prefix + "_"):
-                groups.setdefault((kind, name[len(prefix) + 1:]), []).append(leaf)
+        prefix = _prefix(path[-1])
+        groups.setdefault((TENSORS[prefix], path[-1][len(prefix) + 1:]), []).append(leaf)
     out = {}
     for kind in TENSORS.values():
         scales, stats = (_joined(groups[(kind, name)], width) for name, width in (("scale", 1), ("stats", 2)))
