@@ -21,7 +21,7 @@ import dataclasses
 import time
 
 from parallax.analysis.audit import FAST_COMPILE, compile_step
-from parallax.analysis.hlo import attention_kernels
+from parallax.analysis.gemms import attention_kernels
 from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
 
 MODEL = ModelConfig(d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, d_ff=5632, vocab_size=32000,

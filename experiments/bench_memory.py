@@ -130,7 +130,7 @@ def llama7b(target: str, tokens_per_device: int, attention_chunk: int = 0, seq: 
 
 
 def compiled_for(target: str, tokens_per_device: int, attention_chunk: int, seq: int, attention: str = "xla") -> int:
-    from parallax.analysis.hlo import attention_kernels
+    from parallax.analysis.gemms import attention_kernels
     from parallax.parallel.targets import target as lookup, target_devices
     from parallax.parallelism import attention_kernel
 

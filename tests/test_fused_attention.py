@@ -198,7 +198,7 @@ def test_v5e_8_pipeline_stages_run_splash(libtpu):
     """GPipe over pipe 2 with data 2 x tensor 2, packed: the kernel's shard_map nested in the
     stages' (manual over pipe and the batch axes already), forward and backward."""
     hlo = compile_step(PIPE_PACKED, FAST_COMPILE, "v5e-8").hlo
-    from parallax.analysis.hlo import attention_kernels
+    from parallax.analysis.gemms import attention_kernels
 
     found = attention_kernels(hlo)
     assert found["kernel"] == "splash" and _splash_calls(found["calls"]) == {"fwd", "dq", "dkv"}, found

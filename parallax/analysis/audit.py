@@ -9,9 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallax.analysis.hlo import (ATTENTION_KERNEL_NAMES, Collective, attention_kernels, collectives, dot_flops,
-                                   link_bytes, summarize, while_loops)
-from parallax.analysis.gemms import fp8_report
+from parallax.analysis.hlo import Collective, collectives, dot_flops, link_bytes, summarize, while_loops
+from parallax.analysis.gemms import ATTENTION_KERNEL_NAMES, attention_kernels, fp8_report
 from parallax.analysis.overlap import overlap_by_family, placement_of, placements
 from parallax.config import Config
 

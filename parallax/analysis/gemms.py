@@ -12,6 +12,9 @@ through the FP8 dot_general and name each matmul that is not FP8 and why.
 Counts are executions per step (a matmul in the scanned layer stack runs once per layer), so they
 do not change when the compiler peels or pipelines a loop iteration (XLA:GPU's pipelined
 collectives copy the loop body once).
+
+The attention kernel (`attention_kernels`) is read here too: the other kernel whose choice
+decides a step's FLOPs and memory.
 """
 
 from __future__ import annotations
@@ -105,3 +108,29 @@ def fp8_report(hlo: str) -> dict:
         "operand_types": sorted({" x ".join(m.operands) for m in fp8}),
         "not_fp8": not_fp8,
     }
+
+
+_CUDNN_FMHA = re.compile(r'custom_call_target="(__cudnn\$fmha\w*)"')
+_CUSTOM_NAME = re.compile(r"^\s*(?:ROOT )?%([A-Za-z_][\w\-]*?)(?:\.\d+)* = ")
+ATTENTION_KERNEL_NAMES = {"cudnn": "cuDNN flash attention (__cudnn$fmha* custom calls)",
+                          "splash": "Pallas splash attention (tpu_custom_call splash_mha_*)",
+                          "xla": "XLA's attention (dot_product_attention's XLA path: [B, N, T, T] scores)"}
+
+
+def attention_kernels(hlo: str) -> dict:
+    """The attention kernel a compiled program runs, read from its custom calls: 'cudnn' (XLA:GPU's
+    `__cudnn$fmha*` calls, forward and backward), 'splash' (the TPU's `tpu_custom_call`s named
+    after the Pallas kernel, splash_mha_fwd*, _dq*, _dkv*), else 'xla' (the scores are plain
+    dots). `calls`: each call target or kernel name and how often it appears in the program."""
+    calls: dict[str, int] = {}
+    for line in hlo.splitlines():
+        if "custom-call(" not in line:
+            continue
+        m = _CUDNN_FMHA.search(line)
+        if m:
+            calls[m.group(1)] = calls.get(m.group(1), 0) + 1
+        elif 'custom_call_target="tpu_custom_call"' in line and (n := _CUSTOM_NAME.match(line)) \
+                and n.group(1).startswith("splash"):
+            calls[n.group(1)] = calls.get(n.group(1), 0) + 1
+    kernel = "cudnn" if any(k.startswith("__cudnn") for k in calls) else "splash" if calls else "xla"
+    return {"kernel": kernel, "calls": calls}

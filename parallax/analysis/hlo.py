@@ -526,48 +526,43 @@ _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
 
 
 class Kernel(NamedTuple):
-    """One instruction that runs as a kernel (outside fusion bodies and reducers)."""
+    """One instruction that runs as a kernel: `type` its result's (a tuple type too), `runs` its
+    executions per step (loop trips), `branched` inside a conditional's branch."""
 
     computation: str
     name: str
-    type: str  # its result's type: `f32[8,64]{1,0}`, or a tuple `(pred[...], f8e4m3fn[...])`
+    type: str
     op: str
     line: str
-    runs: int  # executions per step (loop trips)
-    branched: bool  # inside a conditional's branch
+    runs: int
+    branched: bool
 
 
 def kernels(hlo: str) -> Iterator[tuple[Kernel, int]]:
-    """(kernel, bytes it reads and writes) for every kernel of the step: each fusion, custom call,
-    collective, copy; an async pair at its start; nothing inside fusion bodies and reducers."""
+    """(kernel, bytes it reads and writes) for each fusion, custom call, collective, copy of the
+    step (an async pair at its start); nothing inside fusion bodies and reducers."""
     comps = _split_computations(hlo)
     runs, branched = _executions(comps)
     fused = {callee for lines in comps.values() for line in lines for attr, callee in called(line)
              if attr in ("calls", "to_apply") and " fusion(" in line or attr == "to_apply"}
-    for comp, lines in comps.items():
-        if comp in fused or comp not in runs:
-            continue
+    for comp, lines in ((c, ls) for c, ls in comps.items() if c not in fused and c in runs):
         types = {}
-        for line in lines:
-            m = _KERNEL.match(line)
-            if not m:
-                continue
+        for m in filter(None, map(_KERNEL.match, lines)):
             name, typ, op, rest = m.groups()
             types[name] = typ
             if op in _NOT_KERNELS or op.endswith("-done"):
                 continue
             # (an async -start's tuple result holds its operand too: counted twice, a small excess)
             moved = _shape_bytes(typ) + sum(_shape_bytes(types.get(o, "")) for o in _operands(rest))
-            yield Kernel(comp, name, typ, op, line, runs[comp], comp in branched), moved
+            yield Kernel(comp, name, typ, op, m.string, runs[comp], comp in branched), moved
 
 
 def kernel_bytes(hlo: str, scope: str | None = None) -> dict[str, float]:
-    """Bytes one device's kernels read and write per step, counted from the HLO with loop trips
-    (`kernels`). XLA's cost analysis ("bytes accessed") does the same per kernel but counts a loop
-    body once, and a compile-only GPU target gives none. `conditional`: the part inside
-    conditional branches (on every trip: an upper bound). `scope`: also `scoped`, the part of the
-    kernels whose op_name holds `scope` as a path component (a jax.named_scope: the FP8
-    telemetry's, which runs only on the steps that log it)."""
+    """Bytes one device's kernels read and write per step (`kernels`, loop trips counted; XLA's
+    cost analysis counts a loop body once, and a compile-only GPU target gives none).
+    `conditional`: the part inside conditional branches (on every trip: an upper bound).
+    `scope`: also `scoped`, the part of the kernels whose op_name holds `scope` as a path
+    component (a jax.named_scope: the FP8 telemetry's)."""
     total = conditional = scoped = 0.0
     in_scope = re.compile(rf'op_name="(?:[^"]*/)?{re.escape(scope)}(?:/[^"]*)?"') if scope else None
     for k, moved in kernels(hlo):
@@ -575,32 +570,6 @@ def kernel_bytes(hlo: str, scope: str | None = None) -> dict[str, float]:
         conditional += moved * k.runs if k.branched else 0.0
         scoped += moved * k.runs if in_scope and in_scope.search(k.line) else 0.0
     return {"total": total, "conditional": conditional} | ({"scoped": scoped} if scope else {})
-
-
-_CUDNN_FMHA = re.compile(r'custom_call_target="(__cudnn\$fmha\w*)"')
-_CUSTOM_NAME = re.compile(r"^\s*(?:ROOT )?%([A-Za-z_][\w\-]*?)(?:\.\d+)* = ")
-ATTENTION_KERNEL_NAMES = {"cudnn": "cuDNN flash attention (__cudnn$fmha* custom calls)",
-                          "splash": "Pallas splash attention (tpu_custom_call splash_mha_*)",
-                          "xla": "XLA's attention (dot_product_attention's XLA path: [B, N, T, T] scores)"}
-
-
-def attention_kernels(hlo: str) -> dict:
-    """The attention kernel a compiled program runs, read from its custom calls: 'cudnn' (XLA:GPU's
-    `__cudnn$fmha*` calls, forward and backward), 'splash' (the TPU's `tpu_custom_call`s named
-    after the Pallas kernel, splash_mha_fwd*, _dq*, _dkv*), else 'xla' (the scores are plain
-    dots). `calls`: each call target or kernel name and how often it appears in the program."""
-    calls: dict[str, int] = {}
-    for line in hlo.splitlines():
-        if "custom-call(" not in line:
-            continue
-        m = _CUDNN_FMHA.search(line)
-        if m:
-            calls[m.group(1)] = calls.get(m.group(1), 0) + 1
-        elif 'custom_call_target="tpu_custom_call"' in line and (n := _CUSTOM_NAME.match(line)) \
-                and n.group(1).startswith("splash"):
-            calls[n.group(1)] = calls.get(n.group(1), 0) + 1
-    kernel = "cudnn" if any(k.startswith("__cudnn") for k in calls) else "splash" if calls else "xla"
-    return {"kernel": kernel, "calls": calls}
 
 
 def summarize(found: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict[str, int]]:
