@@ -64,6 +64,9 @@ ROWS = {
                              microbatches=8, fp8=True),
     "dense-1t/h100-16384": _cfg("dense-1t", DENSE_1T, dict(data=128, tensor=8, pipe=16), 8192, 2048, zero=1,
                                 microbatches=64, sequence_parallel=True),
+    # the same with 1F1B (live activations bounded by the stages, not M) and ZeRO-3 (masters sharded)
+    "dense-1t-1f1b-z3/h100-16384": _cfg("dense-1t", DENSE_1T, dict(data=128, tensor=8, pipe=16), 8192, 2048,
+                                        zero=3, microbatches=64, sequence_parallel=True, schedule="1f1b"),
 }
 
 # Issue 15, item 4: the cost model against the real compilers on 1B-class shapes over 8-16 devices,

@@ -34,7 +34,7 @@ from parallax.model.layers import QuantizedWeight
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
 from parallax.model.transformer import Transformer, moe_stat_shapes, remat_policy, stack_unit
-from parallax.model.logical import entry_axes, keep_axes, vary
+from parallax.model.logical import drop_axes, entry_axes, keep_axes, vary
 from parallax.parallel.sharding import BATCH_AXES
 
 # ----------------------------------------------------------------------------------------------
@@ -199,6 +199,54 @@ def _merge_halves(stats: list[dict]) -> dict:
     return {k: sum(st[k] for st in stats) / (1 if k == "load" else len(stats)) for k in stats[0]}
 
 
+def stage_placement(spec: P, manual: set[str]) -> P:
+    """What the partitioner places of a stage weight [R, Lc, ...] stored as `spec` [R, P, Lc,
+    ...] inside the pipeline's shard_map (manual over `manual`): its other axes (`tensor`)."""
+    inner = drop_axes(spec, manual)
+    return P(inner[0] if len(inner) else None, *inner[2:])
+
+
+def manual_over(fn: Callable[[jax.Array], jax.Array], placed: P) -> Callable[[jax.Array], jax.Array]:
+    """`fn` (collectives over the pipeline's manual axes) applied with the axes `placed` names
+    (`tensor`) manual too, each device on its own shard: the partitioner gathered a
+    tensor-sharded operand of a manual all_gather or psum_scatter whole first."""
+    axes = {a for e in placed for a in entry_axes(e)}
+    if not axes:
+        return fn
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=placed, out_specs=placed,
+                         axis_names=axes)
+
+
+def gather_stage_weight(c: Any, spec: P, manual: set[str]) -> Any:
+    """Inside a pipeline's shard_map: a stage's weight [R, Lc, ...], stored as `spec` [R, P, Lc,
+    ...], gathered over `data` where ZeRO-3 shards it, once per step, not per tick (a
+    QuantizedWeight's FP8 bits too: half the bytes of bf16; its scale is the layer's, its master
+    only gives the gradient its shape). Expert weights stay sharded over `expert`: each device
+    runs its own experts.
+
+    The gather runs with `tensor` manual too (manual_over), each device on its own tensor shard:
+    left to the partitioner, the operand was first gathered whole over `tensor` as well, in
+    float32, on XLA:GPU and XLA:TPU alike, and the dense-1T row of experiments/targets.py
+    (tensor 8 x pipe 16 x data 128, ZeRO-3) compiled for h100-16384 to 219 GiB per device (95
+    with it; BUILD_NOTES.md "ZeRO-3 inside pipeline stages kept the tensor sharding")."""
+    placed = stage_placement(spec, manual)
+
+    def gather_data(a: jax.Array) -> jax.Array:
+        for dim, entry in enumerate(spec):
+            if DATA in entry_axes(entry) and dim != 1:
+                a = jax.lax.all_gather(a, DATA, axis=dim - (dim > 1), tiled=True)
+        return a
+
+    def gather(a: jax.Array) -> jax.Array:
+        if not any(DATA in entry_axes(e) for e in spec):
+            return a
+        return manual_over(gather_data, placed)(a)
+
+    if isinstance(c, QuantizedWeight):
+        return QuantizedWeight(gather(c.master), gather(c.bits), c.scale)
+    return gather(c)
+
+
 def run_pipeline(
     model: Transformer, schedule: Schedule, mesh: jax.sharding.Mesh, layers: Any, layer_specs: Any, x: jax.Array,
     fp8: Any = None, docs: Any = None,
@@ -236,21 +284,6 @@ def run_pipeline(
     ring = [(i, (i + 1) % p) for i in range(p)]
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
 
-    def gather_zero3(spec: P, c: Any) -> Any:
-        # ZeRO-3 stores weights sharded over `data`: gather each once per step, not per tick
-        # (a QuantizedWeight's FP8 bits too: half the bytes of bf16; its scale is the layer's).
-        # Expert weights stay sharded over `expert`: each device runs its own experts.
-        def gather(a: jax.Array) -> jax.Array:
-            for dim, entry in enumerate(spec):  # spec of [R, P, Lc, ...]; a is [R, Lc, ...]
-                axes = tuple(x for x in entry_axes(entry) if x == DATA)
-                if axes and dim != 1:
-                    a = jax.lax.all_gather(a, axes, axis=dim - (dim > 1), tiled=True)
-            return a
-
-        if isinstance(c, QuantizedWeight):
-            return QuantizedWeight(gather(c.master), gather(c.bits), c.scale)
-        return gather(c)
-
     # per weight, the manual axes it is stored sharded over (its FP8 amax is pmax-ed over them)
     sharded_over = jax.tree.map(lambda s: tuple(a for e in s for a in entry_axes(e) if a != PIPE), param_specs,
                                 is_leaf=lambda a: isinstance(a, P))
@@ -261,7 +294,8 @@ def run_pipeline(
         chunks, fp8_chunks = jax.tree.map(lambda c: c[:, 0], (chunks, fp8_chunks))  # [R, 1, Lc, ...] -> [R, Lc, ...]
         # FP8: each weight quantised here, once per step, not at every tick and recomputation
         chunks = quantize_weights(chunks, fp8_chunks, model.dot_general, model.cfg.dtype, sharded_over, lead=2)
-        chunks = jax.tree.map(gather_zero3, param_specs, chunks, is_leaf=lambda a: isinstance(a, P))
+        chunks = jax.tree.map(lambda spec, c: gather_stage_weight(c, spec, manual), layer_specs, chunks,
+                              is_leaf=lambda a: isinstance(a, P))
         if combined:
             fp8_chunks = combined_over(fp8_chunks, tuple(BATCH_AXES))
         s = jax.lax.axis_index(PIPE)

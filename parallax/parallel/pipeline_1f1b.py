@@ -81,7 +81,8 @@ from parallax.model.vocab import sum_shards
 from parallax.model.logical import entry_axes, keep_axes, vary, varying_axes
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
-from parallax.parallel.pipeline import stage_fn, to_layer_major, to_stages, unit_mask, with_batch_amaxes
+from parallax.parallel.pipeline import (gather_stage_weight, manual_over, stage_fn, stage_placement, to_layer_major,
+                                       to_stages, unit_mask, with_batch_amaxes)
 from parallax.parallel.sharding import BATCH_AXES
 
 _NOTHING = -jnp.inf  # fm32's zero: the identity of the max that combines FP8 states
@@ -100,22 +101,6 @@ def _spec_axes(spec: P) -> set[str]:
     return {a for entry in spec for a in entry_axes(entry)}
 
 
-def _gather(c: Any, spec: P) -> Any:
-    """A stage's weight [v, Lc, ...] gathered over `data` where ZeRO-3 stores it sharded (expert
-    weights stay sharded over `expert`: each device runs its own experts); a QuantizedWeight's FP8
-    bits too (half the bytes of bf16: its scale is the layer's, its master only gives the gradient
-    its shape)."""
-    def one(a: jax.Array) -> jax.Array:
-        for dim, entry in enumerate(spec):
-            if DATA in entry_axes(entry) and dim >= 2:
-                a = jax.lax.all_gather(a, DATA, axis=dim - 1, tiled=True)
-        return a
-
-    if isinstance(c, QuantizedWeight):
-        return QuantizedWeight(one(c.master), one(c.bits), c.scale)
-    return one(c)
-
-
 def _is_weight(a: Any) -> bool:
     return isinstance(a, QuantizedWeight)
 
@@ -130,18 +115,21 @@ def _with_masters(tree: Any, masters: Any) -> Any:
     return jax.tree.map(lambda a, w: a._replace(master=w) if _is_weight(a) else w, tree, masters, is_leaf=_is_weight)
 
 
-def _reduce(g: jax.Array, spec: P) -> jax.Array:
+def _reduce(g: jax.Array, spec: P, manual: set[str]) -> jax.Array:
     """The gradient of a gathered stage weight [v, Lc, ...] -> its stored shard [v, 1, Lc, ...]:
     the sum over the batch axes it is replicated on (module docstring), reduce-scattered over
-    `data` under ZeRO-3."""
-    stored = _spec_axes(spec)
-    for dim, entry in enumerate(spec):
-        if DATA in entry_axes(entry) and dim >= 2:
-            g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim - 1, tiled=True)
+    `data` under ZeRO-3; with `tensor` manual too (pipeline.manual_over: the partitioner
+    gathered the float32 gradient over `tensor` first, 104 GiB per device for the dense-1T row)."""
+    stored = _spec_axes(keep_axes(spec, manual))
     replicated = tuple(a for a in BATCH_AXES if a not in stored)
-    if replicated:
-        g = jax.lax.psum(g, replicated)
-    return g[:, None]
+
+    def reduce(g: jax.Array) -> jax.Array:
+        for dim, entry in enumerate(spec):
+            if DATA in entry_axes(entry) and dim >= 2:
+                g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim - 1, tiled=True)
+        return jax.lax.psum(g, replicated) if replicated else g
+
+    return manual_over(reduce, stage_placement(spec, manual))(g)[:, None]
 
 
 def _at(tree: Any, c: jax.Array, v: int) -> Any:
@@ -226,8 +214,9 @@ def make_scheduled_value_and_grad(
         # FP8: each weight quantised here, once per step, on its stored shard (ZeRO-3 gathers the
         # bits), not in every tick's F, B and W; its new state joins the ticks' after the loop
         shards, weight_state = quantize_weights_now(shards, fp8_all, model.dot_general, c.dtype, sharded_over, lead=2)
-        weights = jax.tree.map(lambda spec, w: jax.tree.map(lambda a: vary(a, BATCH_AXES), _gather(w, spec)),
-                               param_specs, shards, is_leaf=lambda a: isinstance(a, P))  # [v, Lc, ...]
+        weights = jax.tree.map(lambda spec, w: jax.tree.map(lambda a: vary(a, BATCH_AXES),
+                                                            gather_stage_weight(w, spec, manual)),
+                               layer_specs, shards, is_leaf=lambda a: isinstance(a, P))  # [v, Lc, ...]
         if combined:  # local amaxes in the ticks: no pmax per tick
             fp8_all = jax.tree.map(lambda f: vary(f, BATCH_AXES), fp8_all)
         head_fp8 = jax.tree.map(lambda f: vary(f, (PIPE,)), head_fp8)
@@ -370,7 +359,8 @@ def make_scheduled_value_and_grad(
         rows = {k: jnp.asarray(a) for k, a in tab.arrays.items()}  # [ticks, P] each
         carry, _ = jax.lax.scan(tick, init, rows)
         _, _, _, _, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc = carry
-        g_w = jax.tree.map(_reduce, g_w, param_specs, is_leaf=lambda a: isinstance(a, P))
+        g_w = jax.tree.map(lambda g, spec: _reduce(g, spec, manual), g_w, layer_specs,
+                           is_leaf=lambda a: isinstance(a, P))
         # (over the batch axes, then over `pipe`: one reduction over both would be one all-reduce
         # over every device, not the two small groups the cost model counts)
         total = lambda x: jax.lax.psum(jax.lax.psum(x, BATCH_AXES), PIPE)  # noqa: E731
