@@ -536,8 +536,9 @@ def _bench_gpu_modules():
 
 
 def _h200_step(bench_gpu, name: str):
-    case = next(c for c in bench_gpu.CASES if c.name == name)
-    return compile_step(bench_gpu.make_config(case, tiny=False), target="h200-1")
+    """(bench_gpu's config of case `name`, its step compiled for h200-1: one compile per case)."""
+    cfg = bench_gpu.make_config(next(c for c in bench_gpu.CASES if c.name == name), tiny=False)
+    return cfg, compile_step(cfg, target="h200-1")
 
 
 def test_h200_target_gives_the_memory_and_kernels_measured_on_the_device(cuda_plugin):
@@ -551,9 +552,9 @@ def test_h200_target_gives_the_memory_and_kernels_measured_on_the_device(cuda_pl
     for case in ("dense_bf16", "dense_fp8"):  # on the device, XLA's memory analysis was the high-water mark
         assert measured[case]["device"] == "gpu:NVIDIA H200"
         assert measured[case]["peak_bytes_in_use"] == pytest.approx(measured[case]["xla_memory_bytes"], rel=1e-6)
-    bf16 = _h200_step(bench_gpu, "dense_bf16")
+    _, bf16 = _h200_step(bench_gpu, "dense_bf16")
     assert bf16.memory["peak"] == pytest.approx(measured["dense_bf16"]["xla_memory_bytes"], rel=0.02)
-    fp8 = _h200_step(bench_gpu, "dense_fp8")
+    _, fp8 = _h200_step(bench_gpu, "dense_fp8")
     assert bench_fp8.fp8_gemm_report(fp8.hlo)["fp8_gemms"] == measured["dense_fp8"]["hlo"]["fp8_gemms"] == 12
     assert fp8.hlo.count("__cudnn$fmha") == measured["dense_fp8"]["cudnn_attention_calls"] == 3
 
@@ -570,8 +571,8 @@ def test_fp8_weight_telemetry_writes_no_masks_on_one_gpu(cuda_plugin):
     layer's smallest weight, and the compiled peak is 1.5 GiB under the device's figure for the
     step before (compiled 26.88 GiB, 2026-12-05)."""
     _, bench_gpu, gpu_vs_target, results = _bench_gpu_modules()
-    step = _h200_step(bench_gpu, "dense_fp8")
-    m = bench_gpu.make_config(next(c for c in bench_gpu.CASES if c.name == "dense_fp8"), tiny=False).model
+    cfg, step = _h200_step(bench_gpu, "dense_fp8")
+    m = cfg.model
     smallest = min(m.d_model * m.d_model, m.d_model * m.d_ff)  # elements of one layer's smallest weight
     masks = [k.line.strip()[:160] for k, _ in kernels(step.hlo) for dims in _PRED.findall(k.type)
              if math.prod(int(d) for d in dims.split(",")) >= smallest]
