@@ -64,7 +64,10 @@ ROWS = {
                              microbatches=8, fp8=True),
     "dense-1t/h100-16384": _cfg("dense-1t", DENSE_1T, dict(data=128, tensor=8, pipe=16), 8192, 2048, zero=1,
                                 microbatches=64, sequence_parallel=True),
-    # the same with 1F1B (live activations bounded by the stages, not M) and ZeRO-3 (masters sharded)
+    # the same with 1F1B (live activations bounded by the stages, not M): Megatron's schedule
+    "dense-1t-1f1b/h100-16384": _cfg("dense-1t", DENSE_1T, dict(data=128, tensor=8, pipe=16), 8192, 2048, zero=1,
+                                     microbatches=64, sequence_parallel=True, schedule="1f1b"),
+    # ... and with ZeRO-3 (masters sharded, stage weights gathered in bf16 once per step)
     "dense-1t-1f1b-z3/h100-16384": _cfg("dense-1t", DENSE_1T, dict(data=128, tensor=8, pipe=16), 8192, 2048,
                                         zero=3, microbatches=64, sequence_parallel=True, schedule="1f1b"),
 }

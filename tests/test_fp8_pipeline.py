@@ -54,6 +54,13 @@ LAYOUTS = {
                                        ParallelConfig(microbatches=2, schedule="interleaved_1f1b", repeats=2)),
     "zb_h1_moe_d2_p2_e2_zero3": (MOE4, MeshConfig(data=2, pipe=2, expert=2),
                                  ParallelConfig(microbatches=2, schedule="zb_h1", zero=3)),
+    # remat full: the table schedules' B pass runs one unit at a time (backward_by_unit), the
+    # state recorded per unit, identity slots and the dynamic chunk index of v = 2 included
+    "1f1b_uneven_d2_t2_p2_remat": (DENSE3, MeshConfig(data=2, tensor=2, pipe=2),
+                                   ParallelConfig(microbatches=2, schedule="1f1b", remat="full")),
+    "interleaved_uneven_d2_t2_p2_r2_zero3_remat": (DENSE3, MeshConfig(data=2, tensor=2, pipe=2),
+                                                   ParallelConfig(microbatches=2, schedule="interleaved_1f1b",
+                                                                  repeats=2, zero=3, remat="full")),
 }
 OWN_GRADIENTS = ("1f1b", "interleaved_1f1b", "zb_h1")
 # (float32 losses of a 4-layer MoE summed in other orders over expert and data shards: measured up to

@@ -122,6 +122,9 @@ CASES = {
                                    ParallelConfig(microbatches=2, schedule="interleaved_1f1b", repeats=2,
                                                   sequence_parallel=True)),
     "zb_h1_p2_d4_zero3": (MeshConfig(data=4, pipe=2), ParallelConfig(microbatches=2, schedule="zb_h1", zero=3)),
+    # remat full: B one unit at a time (pipeline_1f1b.backward_by_unit), the chunk index dynamic
+    "interleaved_r2_d4_p2_zero3_remat": (MeshConfig(data=4, pipe=2), ParallelConfig(
+        microbatches=2, schedule="interleaved_1f1b", repeats=2, zero=3, remat="full")),
 }
 
 
@@ -316,3 +319,53 @@ def uneven_reference():
 def test_uneven_stages_match_single_device(uneven_reference, mesh, parallel):
     cfg = dataclasses.replace(UNEVEN, mesh=mesh, parallel=parallel)
     _assert_matches(_grid_loss_grads(cfg, available_devices(mesh.data * mesh.pipe)), uneven_reference)
+
+
+# ----------------------------------------------------------------------------------------------
+# Remat full: the table schedules' B pass adds each unit's weight gradient into the accumulator
+
+
+def _cond_outputs(jaxpr, out=None):
+    """The output avals of every `cond` in a jaxpr and the jaxprs inside it."""
+    from jax.extend import core
+
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            out += [v.aval for v in eqn.outvars]
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, core.ClosedJaxpr):
+                    _cond_outputs(sub.jaxpr, out)
+                elif isinstance(sub, core.Jaxpr):
+                    _cond_outputs(sub, out)
+    return out
+
+
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_b_pass_returns_one_units_weight_gradient_under_remat_full(remat):
+    """1F1B with remat full: no conditional of the tick loop returns a whole stage's float32
+    weight gradient [Lc, ...] (pipeline_1f1b.backward_by_unit: each unit's VJP sits in its own
+    conditional and its gradient is added into the accumulator in place). The stage's VJP in one
+    conditional returned the whole [Lc, ...] gradient, a buffer of the stage's float32 weights
+    beside the accumulator: the dense-1T row compiled for h100-16384 at 80.6 GiB, 54.6 without
+    (BUILD_NOTES.md "Pipelined ZeRO-3 in the compute dtype"). Remat none keeps the stage's VJP
+    (by unit it would run every forward twice)."""
+    cfg = dataclasses.replace(BASE, mesh=MeshConfig(data=4, pipe=2),
+                              parallel=ParallelConfig(microbatches=2, schedule="1f1b", zero=3, remat=remat))
+    layout = make_layout(cfg, make_mesh(cfg.mesh))
+    mesh = layout.mesh
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          layout.abstract_state.params, layout.param_shardings)
+    batch = {k: jax.ShapeDtypeStruct((B, T), np.int32, sharding=batch_sharding(mesh)) for k in ("inputs", "targets")}
+    jaxpr = jax.make_jaxpr(make_grad_fn(layout))(params, batch)
+    stage = {tuple(w.shape[2:]) for w in jax.tree.leaves(layout.abstract_state.params["layers"])}  # [Lc, ...]
+    unit = {s[1:] for s in stage}
+    assert min(s[0] for s in stage) == 2  # two layers per stage: the two shapes differ
+    outputs = [(a.dtype, tuple(a.shape)) for a in _cond_outputs(jaxpr.jaxpr)]
+    whole = [o for o in outputs if o[0] == np.float32 and o[1] in stage]
+    one = [o for o in outputs if o[0] == np.float32 and o[1] in unit]
+    if remat == "full":
+        assert not whole and len({o[1] for o in one}) == len(unit), (whole, one)
+    else:
+        assert len({o[1] for o in whole}) == len(stage), whole

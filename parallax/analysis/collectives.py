@@ -381,7 +381,9 @@ def _zero_gather_terms(s: Dims, out: _Terms) -> None:
     float32), norm scales and the router stay float32; the `none` policy keeps the gathered
     weights for the backward pass on XLA:CPU, a remat policy gathers them again
     (transformer.remat_policy), and so does XLA:TPU without one (compiled for v5e-8: the layer
-    gathers twice per step at remat none; the accelerator model follows the TPU). Pipelined ZeRO-3: pipeline.run_pipeline's `gather_zero3`, once per step, in float32.
+    gathers twice per step at remat none; the accelerator model follows the TPU). Pipelined
+    ZeRO-3: pipeline.gather_stage_weights, once per step, the matmul weights cast first as
+    unpipelined (Dims.unit_stage_gather).
     FP8 (fp8.quantize_weights): the matmul weights are quantised on their shards once per step and
     gathered as their E4M3 bits, 1 byte (u8: no platform promotes it), unpipelined and in every
     pipeline schedule's stages (the table schedules: fp8.quantize_weights_now)."""
@@ -394,7 +396,7 @@ def _zero_gather_terms(s: Dims, out: _Terms) -> None:
     regather = np.where((s.remat == NONE) & s.cpu, 1, 2)  # XLA:TPU gathers again even without remat
     out.add(("data",), "all-gather", LAYER_GATHERS, unit_gather / s.unit_arrays,
             s.unit_arrays * s.U * regather, on_data & z3 & ~piped, "compute", None, s.d)
-    stage_gather = np.where(s.fp8, s.Ldev * (s.layer_t + 3 * fp32_unit / s.unit), 4 * s.Ldev * s.layer_t)
+    stage_gather = s.Ldev / s.unit * s.unit_stage_gather
     out.add(("data",), "all-gather", "ZeRO-3: stage weights (once per step)", stage_gather / s.unit_arrays,
             s.unit_arrays, on_data & z3 & piped, "exposed", None, s.d)
     outer_gather = s.c * (s.outer_t - s.D) + 4 * s.D

@@ -177,6 +177,13 @@ class Dims:
         self.router = router = self.moe * self.D * self.E  # the MoE router's (float32) elements per unit
         self.unit_ne_bytes = self.gb_stage * (self.unit_ne - self.unit_norms - router) + 4 * (self.unit_norms + router)
         self.unit_ex_bytes = self.gb_stage * self.unit_ex
+        # One unit's weights as pipelined ZeRO-3 gathers them (pipeline.gather_stage_weights): the
+        # matmul weights cast on their shards to the compute dtype, the norm scales, the router
+        # and ragged experts (grouped_param_dot reads the master) in float32. FP8: the E4M3 bits.
+        ragged_ex = self.unit_ex if (self.moe and mo.dispatch == "ragged") else 0
+        f32_unit = self.unit_norms + router + ragged_ex
+        self.unit_stage_gather = np.where(self.fp8, self.unit_t + 3 * (self.unit_norms + router),
+                                          self.c * (self.unit_t - f32_unit) + 4 * f32_unit)
         self.params_t = self.Ldev * self.layer_t + self.outer_t  # tensor-, expert- and pipe-sharded
         self.act = self.tok * self.D * self.c  # one [B/dp, T, D] buffer
         self.act_m = self.act / self.M
@@ -327,7 +334,14 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     gpipe_saved = s.ticks * (s.Lc * (tok_m * saved_tok + saved_layer) + chunk_slices)
     # Table schedules: the tick loop's input and cotangent buffers (schedules.buffer_slots)
     slots = buffer_slots(s.sched, s.p, s.M, s.r)
-    f1b_saved = slots * tok_m * D * c / sp_t + s.Lc * (tok_m * saved_tok + saved_layer) + 4 * s.params_t
+    # Beside them, the tick's weight gradients: the tables' and the stage's, the whole stage's from
+    # one VJP, one unit's under remat full (pipeline_1f1b.backward_by_unit adds each into the
+    # accumulator); and under ZeRO-3 that float32 accumulator of the gathered stage weights
+    # (ZeRO-1's is `gradients`).
+    by_unit = s.f1b & ~s.zb & (s.remat == FULL)
+    tick_grad = 4 * s.outer_t + 4 * np.where(by_unit, s.unit_t, s.Ldev * s.layer_t)
+    stage_acc = np.where(s.zero == 3, 4 * s.Ldev * s.layer_t, 0)
+    f1b_saved = slots * tok_m * D * c / sp_t + s.Lc * (tok_m * saved_tok + saved_layer) + tick_grad + stage_acc
     activations = np.where(s.f1b, f1b_saved, np.where(s.piped, gpipe_saved, plain_saved))
     # save_attn_mlp: the unit whose backward runs at the peak holds its names in the working set
     # below (its un-rematted residuals), so they count once (measured on XLA:CPU: the compiled
@@ -371,7 +385,10 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # constrain_param); XLA:TPU gathers them again in the backward pass instead (compiled for
     # v5e-8: twice the gathers, collectives._zero_gather_terms), so holds none of them
     gathered = np.where((s.zero == 3) & (s.remat == NONE) & ~s.piped & s.cpu, c * s.L * s.layer_t, 0)
-    gathered = gathered + np.where((s.zero == 3) & s.piped, 4 * s.params_t, 0)
+    # pipelined ZeRO-3: each stage's gathered weights (Dims.unit_stage_gather; FP8's as calibrated
+    # before its bits were gathered) and the float32 tables
+    stage = np.where(s.fp8, 4 * s.Ldev * s.layer_t, s.Ldev / s.unit * s.unit_stage_gather)
+    gathered = gathered + np.where((s.zero == 3) & s.piped, stage + 4 * s.outer_t, 0)
     # ... and outside a pipeline one unit's full-size expert-weight gradient before and after
     # its all-reduce, plus (remat) the unit's experts gathered again. Dense weights do the same,
     # but the dense calibration (CPU_WORKING) absorbed that part; only the MoE fit needed it.

@@ -50,6 +50,18 @@ class QuantizedWeight(NamedTuple):
     scale: jax.Array  # float32 [1]
 
 
+class CastWeight(NamedTuple):
+    """A master weight's compute-dtype copy for this step, made once outside the loops that use
+    it: a pipeline stage's ZeRO-3 weights, cast on their shard and then gathered over `data`
+    (pipeline.gather_stage_weight), so that the gather and the gathered buffer are in the compute
+    dtype, as logical.ParamPlacement.to_compute has them outside a pipeline. It takes the master
+    weight's place in the parameters; `param_matmul` reads `copy` and returns the master's
+    gradient (float32) as `master`'s cotangent."""
+
+    master: jax.Array  # float32 [...] zeros: only its shape, dtype and cotangent are used
+    copy: jax.Array  # compute dtype [...]: the weight the matmul reads
+
+
 def make_dot(factory: DotGeneralFactory) -> Callable[..., jax.Array] | None:
     """One dot_general module from `factory` (a submodule of the caller), or None for lax's."""
     return None if factory is None else factory()
@@ -68,8 +80,11 @@ class ParamUse:
     grad_dtype: Any  # the weight-gradient matmul's output dtype, hence its reduction's
     param_dtype: Any  # the master weight's dtype (float32), which its gradient is returned in
 
-    def weight(self, w: jax.Array) -> jax.Array:
-        """The master weight as the matmul uses it: cast and, under ZeRO-3, gathered."""
+    def weight(self, w: jax.Array | CastWeight) -> jax.Array:
+        """The master weight as the matmul uses it: cast and, under ZeRO-3, gathered (a
+        CastWeight: its copy, cast and gathered already)."""
+        if isinstance(w, CastWeight):
+            return w.copy.astype(self.dtype)
         return self.placement.to_compute(w, self.dtype)
 
     def weight_grad(self, dw: jax.Array) -> jax.Array:
@@ -111,22 +126,23 @@ def _param_dot_fwd(x: Any, w: Any, dims: Any, use: ParamUse):
     # symbolic_zeros: x and w come as CustomVJPPrimal. An input with no tangent (a constant, as
     # the one-hot embedding input was) needs no input gradient, so the weight is not kept for one.
     need_dx = x.perturbed
-    x, w = x.value, w.value
+    x, w = x.value, jax.tree.map(lambda p: p.value, w, is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
     wc = use.weight(w)
     y = lax.dot_general(x, wc, dims, preferred_element_type=use.dtype)
     # Residuals as plain autodiff keeps them: the input and the compute-dtype weight. Under
     # remat full and dots both are recomputed (ZeRO-3: gathered again), not saved; ZeRO-3's
     # `none` policy keeps the gathered weight as it did before (test_grad_reduce.py).
-    return y, (x, wc if need_dx else None, w.ndim)
+    return y, (x, wc if need_dx else None, wc.ndim, isinstance(w, CastWeight))
 
 
 def _param_dot_bwd(dims: Any, use: ParamUse, res: tuple, g: Any):
-    x, wc, w_ndim = res
+    x, wc, w_ndim, cast = res
     if isinstance(g, jax.custom_derivatives.SymbolicZero):
         return None, None
     dx = None if wc is None else dot_grad_lhs(g, wc, dims, x.ndim, x.dtype)
     dw = weight_grad_dot(g, x, dims, w_ndim, use.grad_dtype)  # partial sums leave the matmul in grad_dtype
-    return dx, use.weight_grad(dw)
+    dw = use.weight_grad(dw)
+    return dx, CastWeight(dw, None) if cast else dw  # a CastWeight: the gradient is its master's
 
 
 def weight_grad_dot(g: jax.Array, x: jax.Array, dims: Any, w_ndim: int, out_dtype: Any) -> jax.Array:
@@ -173,7 +189,9 @@ def param_matmul(x: jax.Array, w: jax.Array, dims: Any, names: tuple[str | None,
     if grad_dtype is None:
         wc = constrain_param(w, names, placer, dtype)  # ZeRO-3: all-gather here, in dtype
         return (dot or lax.dot_general)(x, wc, dims, preferred_element_type=dtype)
-    master = w.master if isinstance(w, QuantizedWeight) else w
+    master = w.master if isinstance(w, (QuantizedWeight, CastWeight)) else w
+    if isinstance(w, CastWeight) and dot is not None:  # an FP8 dot reads a QuantizedWeight or the master
+        raise TypeError("param_matmul: a CastWeight goes to param_dot only, not to an injected dot_general")
     use = ParamUse(param_placement(placer, names), jnp.dtype(dtype), jnp.dtype(grad_dtype), jnp.dtype(master.dtype))
     if dot is not None:
         return dot(x, w, dims, preferred_element_type=dtype, param=use)

@@ -30,11 +30,11 @@ from jax.sharding import PartitionSpec as P
 
 from parallax.model.fp8 import FP8_COLLECTION, combined_over, quantize_weights, scales_each_use
 from parallax.model.fp8_state import padding_value
-from parallax.model.layers import QuantizedWeight
+from parallax.model.layers import CastWeight, QuantizedWeight
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
 from parallax.model.transformer import Transformer, moe_stat_shapes, remat_policy, stack_unit
-from parallax.model.logical import drop_axes, entry_axes, keep_axes, vary
+from parallax.model.logical import drop_axes, entry_axes, keep_axes, vary, varying_axes
 from parallax.parallel.sharding import BATCH_AXES
 
 # ----------------------------------------------------------------------------------------------
@@ -121,6 +121,30 @@ def with_batch_amaxes(factory: Any, combined: bool = False) -> Any:
     return functools.partial(factory, amax_axes=tuple(BATCH_AXES))
 
 
+def _unit(model: Transformer, combined: bool) -> Callable[..., tuple[jax.Array, dict]]:
+    """(unit params, its FP8 state or None, real (a bool) or None, docs, x [b, T, D]) -> (x,
+    MoE stats): one unit of the stack, not checkpointed."""
+    dot_general = with_batch_amaxes(model.dot_general, combined)
+    # ZeRO-3's placer and the expert exchange as injected into the model (train_state.make_layout)
+    block = stack_unit(model.cfg)(model.cfg, dot_general, placer=model.placer, exchange=model.exchange,
+                                  attention_chunk=model.attention_chunk, attend=model.attend)
+
+    def unit(params: Any, fp8: Any, real: Any, docs: Any, x: jax.Array) -> tuple[jax.Array, dict]:
+        y, stats = block.apply({"params": params, **({FP8_COLLECTION: fp8} if fp8 is not None else {})}, x, docs)
+        if real is None:
+            return y, stats
+        return jnp.where(real, y, x), {k: jnp.where(real, v, 0) for k, v in stats.items()}
+
+    return unit
+
+
+def unit_fn(model: Transformer, combined: bool = False) -> Callable[..., tuple[jax.Array, dict]]:
+    """One unit of the stack as stage_fn runs it: checkpointed under the model's remat policy."""
+    policy = remat_policy(model.remat, model.placer is not None)
+    unit = _unit(model, combined)
+    return unit if policy is None else jax.checkpoint(unit, policy=policy, prevent_cse=False)
+
+
 def stage_fn(model: Transformer, combined: bool = False) -> Callable[..., tuple[jax.Array, dict]]:
     """(chunk params [Lc, ...], x [b, T, D], chunk FP8 state or None, unit mask [Lc] or None,
     repeat or None) -> (x, MoE stats [Lc, ...]): the chunk's units in order.
@@ -139,16 +163,7 @@ def stage_fn(model: Transformer, combined: bool = False) -> Callable[..., tuple[
     gathered weights too: the named copy's producer is the gathered value; BUILD_NOTES.md). Without a policy, slicing per unit
     measured worse than the per-tick slice (BUILD_NOTES.md).
     """
-    dot_general = with_batch_amaxes(model.dot_general, combined)
-    # ZeRO-3's placer and the expert exchange as injected into the model (train_state.make_layout)
-    block = stack_unit(model.cfg)(model.cfg, dot_general, placer=model.placer, exchange=model.exchange,
-                                  attention_chunk=model.attention_chunk, attend=model.attend)
-
-    def unit(params: Any, fp8: Any, real: Any, docs: Any, x: jax.Array) -> tuple[jax.Array, dict]:
-        y, stats = block.apply({"params": params, **({FP8_COLLECTION: fp8} if fp8 is not None else {})}, x, docs)
-        if real is None:
-            return y, stats
-        return jnp.where(real, y, x), {k: jnp.where(real, v, 0) for k, v in stats.items()}
+    unit = _unit(model, combined)
 
     def sliced(stack: Any, fp8_stack: Any, rep: jax.Array, j: jax.Array, real: Any, docs: Any, x: jax.Array):
         pick = lambda c: c[rep, j]  # noqa: E731
@@ -217,12 +232,14 @@ def manual_over(fn: Callable[[jax.Array], jax.Array], placed: P) -> Callable[[ja
                          axis_names=axes)
 
 
-def gather_stage_weight(c: Any, spec: P, manual: set[str]) -> Any:
+def gather_stage_weight(c: Any, spec: P, manual: set[str], dtype: Any = None) -> Any:
     """Inside a pipeline's shard_map: a stage's weight [R, Lc, ...], stored as `spec` [R, P, Lc,
     ...], gathered over `data` where ZeRO-3 shards it, once per step, not per tick (a
     QuantizedWeight's FP8 bits too: half the bytes of bf16; its scale is the layer's, its master
-    only gives the gradient its shape). Expert weights stay sharded over `expert`: each device
-    runs its own experts.
+    only gives the gradient its shape). `dtype`: a matmul weight's compute dtype: it is cast on
+    its shard and gathered in it, a CastWeight (a float32 model's too, the same path; None:
+    gathered as stored, float32). Expert weights stay sharded over `expert`: each device runs
+    its own experts.
 
     The gather runs with `tensor` manual too (manual_over), each device on its own tensor shard:
     left to the partitioner, the operand was first gathered whole over `tensor` as well, in
@@ -237,14 +254,51 @@ def gather_stage_weight(c: Any, spec: P, manual: set[str]) -> Any:
                 a = jax.lax.all_gather(a, DATA, axis=dim - (dim > 1), tiled=True)
         return a
 
-    def gather(a: jax.Array) -> jax.Array:
-        if not any(DATA in entry_axes(e) for e in spec):
-            return a
-        return manual_over(gather_data, placed)(a)
-
+    if not any(DATA in entry_axes(e) for e in spec):
+        return c
+    gather = manual_over(gather_data, placed)
     if isinstance(c, QuantizedWeight):
         return QuantizedWeight(gather(c.master), gather(c.bits), c.scale)
-    return gather(c)
+    if dtype is None:
+        return gather(c)
+    copy = jax.lax.stop_gradient(gather(c.astype(dtype)))
+    return CastWeight(_stand_in(gather, c, copy.shape, tuple(sorted(varying_axes(copy)))), copy)
+
+
+def gather_stage_weights(model: Transformer, chunks: Any, layer_specs: Any, manual: set[str]) -> Any:
+    """gather_stage_weight over a stage's parameters: the weights `layers.param_dot` multiplies
+    with (Dense kernels; the experts' under capacity dispatch) cast to the compute dtype first
+    and gathered in it; the norm scales and the router (float32 where used), a QuantizedWeight
+    (its FP8 bits) and every weight of a model with an injected dot (FP8) or with plain autodiff
+    of the cast (grad_dtype None, the reference) as stored."""
+    moe = model.cfg.moe
+    cast = () if model.dot_general is not None or model.grad_dtype is None else (
+        "kernel", *(("wi", "wo") if moe is not None and moe.dispatch != "ragged" else ()))
+
+    def one(path: tuple, spec: P, c: Any) -> Any:
+        return gather_stage_weight(c, spec, manual, model.cfg.dtype if path[-1].key in cast else None)
+
+    return jax.tree_util.tree_map_with_path(one, layer_specs, chunks, is_leaf=lambda a: isinstance(a, P))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 2, 3))
+def _stand_in(gather: Callable[[jax.Array], jax.Array], shard: jax.Array, shape: tuple[int, ...],
+              axes: tuple[str, ...]) -> jax.Array:
+    """A CastWeight's master: zeros of the gathered shape (the matmul reads the copy, so no
+    float32 gather runs), typed as the gather's output; its cotangent goes back through the
+    gather's transpose (the float32 reduce-scatter over data the master's gather would have had)."""
+    return vary(jnp.zeros(shape, shard.dtype), axes)
+
+
+def _stand_in_fwd(gather, shard, shape, axes):
+    return _stand_in(gather, shard, shape, axes), shard
+
+
+def _stand_in_bwd(gather, shape, axes, shard, ct):
+    return jax.linear_transpose(gather, shard)(ct)
+
+
+_stand_in.defvjp(_stand_in_fwd, _stand_in_bwd)
 
 
 def run_pipeline(
@@ -294,8 +348,7 @@ def run_pipeline(
         chunks, fp8_chunks = jax.tree.map(lambda c: c[:, 0], (chunks, fp8_chunks))  # [R, 1, Lc, ...] -> [R, Lc, ...]
         # FP8: each weight quantised here, once per step, not at every tick and recomputation
         chunks = quantize_weights(chunks, fp8_chunks, model.dot_general, model.cfg.dtype, sharded_over, lead=2)
-        chunks = jax.tree.map(lambda spec, c: gather_stage_weight(c, spec, manual), layer_specs, chunks,
-                              is_leaf=lambda a: isinstance(a, P))
+        chunks = gather_stage_weights(model, chunks, layer_specs, manual)
         if combined:
             fp8_chunks = combined_over(fp8_chunks, tuple(BATCH_AXES))
         s = jax.lax.axis_index(PIPE)

@@ -14,8 +14,9 @@ buffer slots) and
     the last stage, runs the loss head at once and stores its cotangent;
   - B: `jax.vjp` of chunk c recomputed from the buffered input, applied to the buffered output
     cotangent: input and weight gradients (1F1B, interleaved), or only the input gradient and the
-    FP8 state (ZB-H1's split backward); on stage 0's chunk 0 the input gradient goes straight
-    into the embedding table's gradient (a scatter-add);
+    FP8 state (ZB-H1's split backward); under remat full one unit at a time, each unit's weight
+    gradient added into the float32 accumulator in place (backward_by_unit); on stage 0's chunk 0
+    the input gradient goes straight into the embedding table's gradient (a scatter-add);
   - W (ZB-H1): `jax.vjp` of the chunk w.r.t. its weights from the same input and cotangent,
     deferred to where the table puts it (the weight-gradient accumulation stays float32);
   - sends its F's output forward and its B's input gradient backward round the ring with
@@ -50,7 +51,8 @@ What the other schedules take, this one takes too:
   batch axes at its use (`amax_axes`). Either way the state is the whole microbatch's, as on one
   device.
 - ZeRO-3: each stage gathers its weights over `data` once per step, before the tick loop (as
-  GPipe; under FP8 their E4M3 bits), and reduce-scatters their gradient once, after it.
+  GPipe: the matmul weights cast to the compute dtype on their shards first, under FP8 their E4M3
+  bits; pipeline.gather_stage_weights), and reduce-scatters their float32 gradient once, after it.
 
 Gradients are reduced once per step, after the tick loop: every device's loss is its share of
 the global mean (1/(M x batch shards) of its rows' mean per microbatch), so a weight's gradient is
@@ -75,14 +77,14 @@ from flax import traverse_util
 
 from parallax.model.fp8 import FP8_COLLECTION, META_DTYPE, quantize_weights_now, scales_each_use
 from parallax.model.fp8_state import padding_value
-from parallax.model.layers import QuantizedWeight
+from parallax.model.layers import CastWeight, QuantizedWeight
 from parallax.model.transformer import Transformer, moe_stat_shapes
 from parallax.model.vocab import sum_shards
 from parallax.model.logical import entry_axes, keep_axes, vary, varying_axes
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
-from parallax.parallel.pipeline import (gather_stage_weight, manual_over, stage_fn, stage_placement, to_layer_major,
-                                       to_stages, unit_mask, with_batch_amaxes)
+from parallax.parallel.pipeline import (gather_stage_weights, manual_over, stage_fn, stage_placement, to_layer_major,
+                                       to_stages, unit_fn, unit_mask, with_batch_amaxes)
 from parallax.parallel.sharding import BATCH_AXES
 
 _NOTHING = -jnp.inf  # fm32's zero: the identity of the max that combines FP8 states
@@ -102,12 +104,12 @@ def _spec_axes(spec: P) -> set[str]:
 
 
 def _is_weight(a: Any) -> bool:
-    return isinstance(a, QuantizedWeight)
+    return isinstance(a, (QuantizedWeight, CastWeight))
 
 
 def _masters(tree: Any) -> Any:
-    """The master weights of a stage's parameters (a QuantizedWeight's `master`): what the VJPs
-    differentiate."""
+    """The master weights of a stage's parameters (a QuantizedWeight's or CastWeight's `master`):
+    what the VJPs differentiate."""
     return jax.tree.map(lambda a: a.master if _is_weight(a) else a, tree, is_leaf=_is_weight)
 
 
@@ -148,6 +150,16 @@ def _add_at(tree: Any, c: jax.Array, update: Any, v: int, op: Callable = jnp.add
     return jax.tree.map(one, tree, update)
 
 
+def _update_at(tree: Any, c: jax.Array, l: jax.Array, update: Any, op: Callable = jnp.add) -> Any:
+    """tree[c, l] = op(tree[c, l], update) over [v, Lc, ...] leaves, in place (a dynamic slice)."""
+    def one(a: jax.Array, u: jax.Array) -> jax.Array:
+        at = (c, l, *([0] * (a.ndim - 2)))
+        cur = jax.lax.dynamic_slice(a, at, (1, 1, *a.shape[2:]))
+        return jax.lax.dynamic_update_slice(a, op(cur, u[None, None].astype(a.dtype)), at)
+
+    return jax.tree.map(one, tree, update)
+
+
 def _put(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(buf, x, slot, 0)
 
@@ -170,6 +182,9 @@ def make_scheduled_value_and_grad(
     p, m, v = sched.stages, sched.microbatches, sched.repeats
     table_dtype = jnp.dtype(model.grad_dtype or jnp.float32)  # the vocabulary tables' gradient sum
     tab = sched.table()
+    # B one unit at a time where that costs no extra work: remat `full` recomputes every unit's
+    # forward in B either way (backward_by_unit); ZB-H1's split B accumulates nothing
+    by_unit = not tab.split and model.remat == "full"
     manual = {PIPE, *BATCH_AXES}
     c = model.cfg
     units = sched.units or c.n_layers
@@ -214,18 +229,59 @@ def make_scheduled_value_and_grad(
         # FP8: each weight quantised here, once per step, on its stored shard (ZeRO-3 gathers the
         # bits), not in every tick's F, B and W; its new state joins the ticks' after the loop
         shards, weight_state = quantize_weights_now(shards, fp8_all, model.dot_general, c.dtype, sharded_over, lead=2)
-        weights = jax.tree.map(lambda spec, w: jax.tree.map(lambda a: vary(a, BATCH_AXES),
-                                                            gather_stage_weight(w, spec, manual)),
-                               layer_specs, shards, is_leaf=lambda a: isinstance(a, P))  # [v, Lc, ...]
+        weights = jax.tree.map(lambda a: vary(a, BATCH_AXES),
+                               gather_stage_weights(model, shards, layer_specs, manual))  # [v, Lc, ...]
         if combined:  # local amaxes in the ticks: no pmax per tick
             fp8_all = jax.tree.map(lambda f: vary(f, BATCH_AXES), fp8_all)
         head_fp8 = jax.tree.map(lambda f: vary(f, (PIPE,)), head_fp8)
 
+        def router_loss(stats: dict) -> jax.Array:
+            router = sum(wt * jnp.sum(stats[k]) for k, wt in moe_weights.items() if k in stats)
+            return vary(jnp.asarray(router, jnp.float32), (*BATCH_AXES, PIPE))
+
         def stage(w: Any, fp8: Any, x: jax.Array, docs: Any, chunk: jax.Array) -> tuple[tuple[jax.Array, jax.Array], dict]:
             mask = unit_mask(sched, s, chunk)  # uneven stages: this chunk's padding slots pass through
             y, stats = with_stats(w, x, _as_meta(fp8), mask, docs=docs)  # fm32 inside, as fp8_variables
-            router = sum(wt * jnp.sum(stats[k]) for k, wt in moe_weights.items() if k in stats)
-            return (y, vary(jnp.asarray(router, jnp.float32), (*BATCH_AXES, PIPE))), stats
+            return (y, router_loss(stats)), stats
+
+        unit = unit_fn(model, combined)
+
+        def backward_by_unit(busy, chunk, x, ct, docs, g_w, new_fp8):
+            """B under remat `full`, one unit at a time: each unit's input recomputed, then, last
+            unit first, its VJP (recomputing its forward, as the stage's VJP does: the same work)
+            and its weight gradient added into the float32 accumulator in place. The stage's VJP
+            at once returned the whole stage's gradient as one more buffer of the stage's weights'
+            size, float32, beside the accumulator (BUILD_NOTES.md "Pipelined ZeRO-3 in the compute
+            dtype"). -> (g_w, new_fp8, the stage input's cotangent)."""
+            w_c, f_c, mask = _at(weights, chunk, v), _at(fp8_all, chunk, v), unit_mask(sched, s, chunk)
+            n = jax.tree.leaves(w_c)[0].shape[0]
+            pick = lambda tree, l: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, l, keepdims=False), tree)  # noqa: E731
+
+            def inputs(x):  # [n, b, T, D]: each unit's input
+                step = lambda h, xs: (unit(xs[0], _as_meta(xs[1]), xs[2], docs, h)[0], h)  # noqa: E731
+                return jax.lax.scan(step, x, (w_c, f_c, mask))[1]
+
+            hs = jax.lax.cond(busy, inputs, lambda x: varying(jnp.zeros((n, *x.shape), x.dtype)), x)
+
+            def one(carry, l):
+                dh, g, nf = carry
+                w_l, f_l, real = pick(w_c, l), pick(f_c, l), None if mask is None else mask[l]
+
+                def vjp_unit(args):
+                    h, dh = args
+                    run = lambda w, f, h: (lambda y, st: (y, router_loss(st)))(  # noqa: E731
+                        *unit(_with_masters(w_l, w), _as_meta(f), real, docs, h))
+                    _, vjp = jax.vjp(run, _masters(w_l), f_l, h)
+                    return vjp((dh, ones()))
+
+                def idle(args):
+                    return jax.tree.map(jnp.zeros_like, _masters(w_l)), _nothing_like(f_l), jnp.zeros_like(args[1])
+
+                d_w, d_f, dh = jax.lax.cond(busy, vjp_unit, idle, (_get(hs, l), dh))
+                return (dh, _update_at(g, chunk, l, d_w), _update_at(nf, chunk, l, d_f, jnp.maximum)), None
+
+            (dx, g_w, new_fp8), _ = jax.lax.scan(one, (ct, g_w, new_fp8), jnp.arange(n), reverse=True)
+            return g_w, new_fp8, dx
 
         outer = jax.tree.map(lambda o: vary(o, (*BATCH_AXES, PIPE)), outer)
         micro_tok, micro_t = vary(micro_tok, (PIPE,)), vary(micro_t, (PIPE,))
@@ -308,10 +364,15 @@ def make_scheduled_value_and_grad(
                 return (jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v)), _nothing_like(_at(fp8_all, 0, v)),
                         jnp.zeros_like(args[0]))
 
-            d_w, d_fp8, dx = jax.lax.cond(b_busy, backward, no_backward, (_get(act, op["b_act"]), _get(cot, op["b_cot"])))
-            if not tab.split:  # weight gradients accumulate in float32 whatever the compute dtype
-                g_w = _add_at(g_w, c_b, d_w, v)
-            new_fp8 = _add_at(new_fp8, c_b, d_fp8, v, jnp.maximum)
+            if by_unit:
+                g_w, new_fp8, dx = backward_by_unit(b_busy, c_b, _get(act, op["b_act"]), _get(cot, op["b_cot"]),
+                                                    docs_b, g_w, new_fp8)
+            else:
+                d_w, d_fp8, dx = jax.lax.cond(b_busy, backward, no_backward,
+                                              (_get(act, op["b_act"]), _get(cot, op["b_cot"])))
+                if not tab.split:  # weight gradients accumulate in float32 whatever the compute dtype
+                    g_w = _add_at(g_w, c_b, d_w, v)
+                new_fp8 = _add_at(new_fp8, c_b, d_fp8, v, jnp.maximum)
             # stage 0's first chunk: dx is its embedding's output cotangent; the table's gradient
             # (a scatter-add) is added where it is computed, so idle ticks add nothing
             tokens_b = jax.lax.dynamic_index_in_dim(micro_tok, i_b, keepdims=False)
