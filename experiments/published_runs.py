@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
               + ("" if gap is None else f"  (distance to published: {gap * 100:.1f} points)"))
         if not run.sequence_parallel:  # planned above with the published system's features
             print(f"  ... with sequence parallelism, which the published system lacked: {_layout(c['chosen_all_features'])}")
+            if run.mfu_with_sp:
+                print(f"      (published with it: {run.mfu_with_sp[0]:.1%}; {run.source_with_sp})")
         print("  published layout here:   " + ("not expressible (divisibility)" if p is None else
                                                _layout(p) + ("" if p["fits"] else f" - does NOT fit {c['usable_gib']:.0f} GiB")))
         print(f"  source: {run.source}")

@@ -140,13 +140,15 @@ def test_megatron_1t_published_layout_fits_with_per_microbatch_embedding():
 
 def test_megatron_1t_fits_with_sequence_parallelism_within_10_points():
     """What does fit for Megatron-LM 1T on its 3072 GPUs: the planner's choice once sequence
-    parallelism (which Megatron added in 2022) is allowed."""
+    parallelism (which Megatron added in 2022) is allowed, within 10 points of what Megatron
+    published with it (54.2%), not of the 2021 figure without it (39%)."""
     run = next(r for r in PUBLISHED if r.preset == "dense-1t")
     assert (run.devices, run.layout, run.global_batch) == (3072, {"data": 6, "tensor": 8, "pipe": 64}, 3072)
     c = compare_published(run)
     chosen = c["chosen_all_features"]
     assert chosen is not None and chosen["memory_gib"] <= c["usable_gib"], chosen
-    assert run.mfu[0] - GAP <= chosen["mfu"] <= run.mfu[1] + GAP, chosen
+    lo, hi = run.mfu_with_sp
+    assert lo - GAP <= chosen["mfu"] <= hi + GAP, chosen
 
 
 def test_llama3_405b_published_layout_runs_with_uneven_interleaved_stages():
