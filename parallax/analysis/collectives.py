@@ -261,10 +261,13 @@ def pipe_terms(s: Dims) -> list[Term]:
     out = _Terms(s)
     on_p, f1b = s.p > 1, s.f1b
     send, sends = s.act_m / s.halves / s.sp_t, s.ticks * s.halves
-    out.add(("pipe",), "collective-permute", "stage activations forward", send, sends, on_p, "tick", None, 2)
+    # (the table schedules with one chunk send along a chain, not a ring: p - 1 of p stages send,
+    # and bytes are per device, averaged over the devices as the audit reads them)
+    chain = np.where(f1b & (s.r == 1), (s.p - 1) / np.maximum(s.p, 1), 1.0)
+    out.add(("pipe",), "collective-permute", "stage activations forward", send * chain, sends, on_p, "tick", None, 2)
     out.add(("pipe",), "collective-permute", "stage cotangents backward", send, sends, on_p & ~f1b, "tick", None, 2)
-    out.add(("pipe",), "collective-permute", "stage cotangents backward (1F1B)", send, sends, on_p & f1b, "exposed",
-            None, 2)
+    out.add(("pipe",), "collective-permute", "stage cotangents backward (1F1B)", send * chain, sends, on_p & f1b,
+            "exposed", None, 2)
     out.add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act / s.sp_t, 2, on_p & ~f1b,
             "exposed", None, s.p)
     out.add(("pipe",), "all-reduce", "embedding and head gradients (1F1B psum)", s.gb * (s.embed_t + s.head_t) + 4 * s.D,

@@ -347,6 +347,10 @@ def groups_to_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple
 
 
 _DONE = re.compile(r"^\s*(?:ROOT )?%\S+ = (.+?) [a-z-]+-done\(%([^,\s)]+)\)")
+# XLA:GPU's decomposed collective-permute (distributed.GPU_FLAGS: the collective-permute
+# decomposer): a `send` / `recv` pair per cycle part, with its pairs in a frontend attribute; the
+# `send` (its result: (data, context, token)) is the transfer, the `recv` the other end of it.
+SEND = re.compile(r"^\s*(?:ROOT )?%(\S+) = \(([a-z0-9]+\[[0-9,]*\])[^)]*\) send\(.*_xla_send_recv_source_target_pairs=")
 _FUSED_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = (.+?) fusion\(.*kind=kCustom, calls=%(all-reduce-scatter[^,\s]*)")
 
 
@@ -398,15 +402,19 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
     dones = {m.group(2): m.group(1) for lines in comps.values() for line in lines
              if (m := _DONE.match(line))}  # start name -> its -done's result shape
     found = []
+    n_devices = math.prod(mesh_shape.values())
     for comp, lines in comps.items():
         for line in lines:
+            if send := SEND.match(line):
+                found.append(_send(send, line, comp, runs, branched, mesh_shape, n_devices))
+                continue
             m = _INSTR.match(line)
             if not m:
                 continue
             name, result, kind, start = m.groups()
             if (comp, name) in copies:
                 continue
-            groups = _groups(line, math.prod(mesh_shape.values()))
+            groups = _groups(line, n_devices)
             axes = groups_to_axes(groups, mesh_shape) if groups else ()
             nbytes, sent = _shape_bytes(result), result
             if start:  # an async start: its results are what its -done returns
@@ -415,6 +423,10 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
                 # reduce-scatter-start (operands, results); with no -done found, half the tuple)
                 nbytes = _shape_bytes(done) if done is not None else nbytes // 2
                 sent = done if done is not None else result
+            if kind == "collective-permute" and groups:  # per device, averaged: only the sources send
+                share = len({pair[0] for pair in groups}) / n_devices
+                nbytes = int(round(nbytes * share))
+                sent = tuple((t, int(round(b * share))) for t, b in _bytes_by_dtype(sent))
             op = re.search(r'op_name="([^"]*)"', line)
             if kind == "all-reduce" and comp in scatters:
                 shard, caller = scatters[comp]
@@ -422,9 +434,25 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
                 sent = shard
             found.append(Collective(
                 kind, name, comp, axes, nbytes, runs.get(comp, 1), runs.get(comp, 1) > 1, op.group(1) if op else "",
-                comp in branched, _bytes_by_dtype(sent),
+                comp in branched, sent if isinstance(sent, tuple) else _bytes_by_dtype(sent),
             ))
     return found
+
+
+def _send(m: re.Match, line: str, comp: str, runs: dict, branched: set, mesh_shape: dict[str, int],
+          n_devices: int) -> Collective:
+    """One `send` of a decomposed collective-permute, as a collective-permute. Its bytes per
+    device are its buffer times the share of devices that send in it: the decomposer splits a
+    ring into a part for the closing pair(s) and a part for the rest, each device the source in
+    one of them, so the parts add up to one buffer per device, as the permute they replace."""
+    name, data = m.groups()
+    pairs = _groups(line, n_devices) or []
+    share = len({a for a, _ in pairs}) / n_devices
+    nbytes = int(round(_shape_bytes(data) * share))
+    op = re.search(r'op_name="([^"]*)"', line)
+    return Collective("collective-permute", name, comp, groups_to_axes(pairs, mesh_shape) if pairs else (), nbytes,
+                      runs.get(comp, 1), runs.get(comp, 1) > 1, op.group(1) if op else "", comp in branched,
+                      tuple((t, int(round(b * share))) for t, b in _bytes_by_dtype(data)))
 
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = [a-z0-9]+\[([0-9,]*)\]")

@@ -8,9 +8,10 @@ accelerator compiler (a compile-only target: parallel/targets.py) can confirm or
 A scheduled module (`is_scheduled=true`: every optimized module the accelerator compilers emit)
 lists each computation's instructions in execution order. An asynchronous collective is a
 `-start` / `-done` pair (XLA:GPU: `all-reduce-start`, `all-gather-start`, `reduce-scatter-start`,
-`collective-permute-start`, `all-to-all-start`; or a generic `async-start` whose called
-computation holds the collective); it is **overlapped** when compute is scheduled between its
-start and its done in the same computation, **exposed** otherwise. A synchronous collective (the
+`collective-permute-start`, `all-to-all-start`; a generic `async-start` whose called
+computation holds the collective; or a decomposed collective-permute's `send` and `send-done`);
+it is **overlapped** when compute is scheduled between its start and its done in the same
+computation, **exposed** otherwise. A synchronous collective (the
 form XLA:TPU leaves a collective in when its latency-hiding scheduler found nothing to put beside
 it: `async_collective_name` in its frontend attributes names the async pair it came from) is
 exposed. XLA:TPU's async collective fusions issue one collective as a chain of fusions (start,
@@ -33,7 +34,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from parallax.analysis.hlo import KINDS, Collective, async_fusion_chains, called, collective_names, computations
+from parallax.analysis.hlo import SEND, KINDS, Collective, async_fusion_chains, called, collective_names, computations
 
 _ASYNC_KINDS = "|".join(KINDS)
 _START = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*? (?:(" + _ASYNC_KINDS + r")-start|async-start)\(")
@@ -100,6 +101,9 @@ def placements(hlo: str) -> dict[tuple[str, str], Placement]:
             start = _START.match(line)
             if start and start.group(2):
                 open_at[start.group(1)] = (i, [])
+                continue
+            if send := SEND.match(line):  # a decomposed permute's send: open until its send-done
+                open_at[send.group(1)] = (i, [])
                 continue
             if start and (wrapped := [c for c in _callees(line) if collective_names(comps.get(c, []))]):
                 open_at[start.group(1)] = (i, wrapped)

@@ -197,8 +197,13 @@ def make_scheduled_value_and_grad(
     head_model = model
     if model.logits_dot_general is not None:  # the head runs inside the shard_map: global amaxes
         head_model = model.clone(logits_dot_general=with_batch_amaxes(model.logits_dot_general))
-    fwd_ring = [(i, (i + 1) % p) for i in range(p)]
-    bwd_ring = [((i + 1) % p, i) for i in range(p)]
+    # A ring where chunk c's last stage feeds chunk c+1's first (v > 1); with one chunk a chain:
+    # the last stage's output goes to the head and stage 0's input cotangent to the embedding, so
+    # the closing pair would send nothing anyone reads, and XLA:GPU, which decomposes a ring into
+    # two sends (distributed.GPU_FLAGS), issued that pair after the B pass (exposed).
+    ring = range(p) if v > 1 else range(p - 1)
+    fwd_ring = [(i, (i + 1) % p) for i in ring]
+    bwd_ring = [((i + 1) % p, i) for i in ring]
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
     # per weight, the manual axes it is stored sharded over (its FP8 amax is pmax-ed over them)
     sharded_over = jax.tree.map(lambda s: tuple(a for e in s for a in entry_axes(e) if a != PIPE), param_specs,

@@ -379,6 +379,13 @@ GPU_FLAGS = {
     "xla_gpu_enable_pipelined_all_reduce": "true",
     "xla_gpu_enable_pipelined_all_gather": "true",
     "xla_gpu_enable_pipelined_reduce_scatter": "true",
+    # The pipeline's per-tick collective-permutes as send/recv pairs (the decomposer, at any size)
+    # pipelined through the tick loop: XLA:GPU then issues a tick's forward send before its
+    # backward pass and waits for it after (1F1B on h100-8: the activation send, half of the send
+    # bytes, behind the B pass; as one collective-permute it was issued after the tick's last
+    # GEMM, 0%). NVIDIA's JAX-Toolbox lists both among its pipeline-parallel flags.
+    "xla_gpu_enable_pipelined_p2p": "true",
+    "xla_gpu_collective_permute_decomposer_threshold": "0",
 }
 # libtpu flags (LIBTPU_INIT_ARGS), as MaxText sets them: fuse collectives into async ops that run
 # on the TPU's DMA engines while the tensor cores compute. libtpu is not installed where this was
@@ -453,7 +460,14 @@ def overlap_options(platform: str) -> dict[str, bool]:
     `apply_overlap_flags` would set there (only those the installed library defines)."""
     table = {"gpu": GPU_FLAGS, "tpu": TPU_FLAGS}.get(platform, {})
     defined = flags_defined_in(_libraries(platform)) if table else None
-    return {k: v == "true" for k, v in table.items() if defined(k)}
+    return {k: _option(v) for k, v in table.items() if defined(k)}
+
+
+def _option(value: str) -> bool | int | str:
+    """A flag's text as the compiler option's value: booleans and integers typed."""
+    if value in ("true", "false"):
+        return value == "true"
+    return int(value) if value.lstrip("-").isdigit() else value
 
 
 # ----------------------------------------------------------------------------------------------
