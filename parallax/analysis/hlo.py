@@ -405,13 +405,13 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
     n_devices = math.prod(mesh_shape.values())
     for comp, lines in comps.items():
         for line in lines:
-            if send := SEND.match(line):
-                found.append(_send(send, line, comp, runs, branched, mesh_shape, n_devices))
-                continue
-            m = _INSTR.match(line)
+            m = _INSTR.match(line) or SEND.match(line)
             if not m:
                 continue
-            name, result, kind, start = m.groups()
+            if m.re is SEND:  # its data, as the permute it is part of (the share below adds the parts up)
+                (name, result), kind, start = m.groups(), "collective-permute", None
+            else:
+                name, result, kind, start = m.groups()
             if (comp, name) in copies:
                 continue
             groups = _groups(line, n_devices)
@@ -437,22 +437,6 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
                 comp in branched, sent if isinstance(sent, tuple) else _bytes_by_dtype(sent),
             ))
     return found
-
-
-def _send(m: re.Match, line: str, comp: str, runs: dict, branched: set, mesh_shape: dict[str, int],
-          n_devices: int) -> Collective:
-    """One `send` of a decomposed collective-permute, as a collective-permute. Its bytes per
-    device are its buffer times the share of devices that send in it: the decomposer splits a
-    ring into a part for the closing pair(s) and a part for the rest, each device the source in
-    one of them, so the parts add up to one buffer per device, as the permute they replace."""
-    name, data = m.groups()
-    pairs = _groups(line, n_devices) or []
-    share = len({a for a, _ in pairs}) / n_devices
-    nbytes = int(round(_shape_bytes(data) * share))
-    op = re.search(r'op_name="([^"]*)"', line)
-    return Collective("collective-permute", name, comp, groups_to_axes(pairs, mesh_shape) if pairs else (), nbytes,
-                      runs.get(comp, 1), runs.get(comp, 1) > 1, op.group(1) if op else "", comp in branched,
-                      tuple((t, int(round(b * share))) for t, b in _bytes_by_dtype(data)))
 
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = [a-z0-9]+\[([0-9,]*)\]")
