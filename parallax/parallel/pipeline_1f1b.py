@@ -53,6 +53,9 @@ What the other schedules take, this one takes too:
 - ZeRO-3: each stage gathers its weights over `data` once per step, before the tick loop (as
   GPipe: the matmul weights cast to the compute dtype on their shards first, under FP8 their E4M3
   bits; pipeline.gather_stage_weights), and reduce-scatters their float32 gradient once, after it.
+  The vocabulary tables enter the shard_map cast to the compute dtype on their shards
+  (`_carried_tables`), so their gather is in it too; the ticks read them back as float32 inside
+  each use, so every gradient is still taken of (and accumulated in) float32.
 
 Gradients are reduced once per step, after the tick loop: every device's loss is its share of
 the global mean (1/(M x batch shards) of its rows' mean per microbatch), so a weight's gradient is
@@ -117,6 +120,16 @@ def _with_masters(tree: Any, masters: Any) -> Any:
     return jax.tree.map(lambda a, w: a._replace(master=w) if _is_weight(a) else w, tree, masters, is_leaf=_is_weight)
 
 
+def _as_masters(tree: Any) -> Any:
+    """The tables as float32 masters again (_carried_tables): the VJPs differentiate these, inside
+    each use, where XLA folds the round trip into the use's own cast."""
+    return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+
+def _zero_masters(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), tree)
+
+
 def _reduce(g: jax.Array, spec: P, manual: set[str]) -> jax.Array:
     """The gradient of a gathered stage weight [v, Lc, ...] -> its stored shard [v, 1, Lc, ...]:
     the sum over the batch axes it is replicated on (module docstring), reduce-scattered over
@@ -132,6 +145,27 @@ def _reduce(g: jax.Array, spec: P, manual: set[str]) -> jax.Array:
         return jax.lax.psum(g, replicated) if replicated else g
 
     return manual_over(reduce, stage_placement(spec, manual))(g)[:, None]
+
+
+def _carried_tables(model: Transformer, outer: Any, outer_specs: Any, manual: set[str]) -> Any:
+    """The embedding, head and final-norm parameters as they enter the tick loop's shard_map: a
+    table stored sharded over a manual axis (ZeRO-3 over `data`) is gathered there, so it is cast
+    to the compute dtype on its shard first and the gather moves half the bytes, as unpipelined
+    ZeRO-3's (logical.ParamPlacement.to_compute). Every use casts the table to the compute dtype
+    anyway, so reading it back as float32 inside the use (`_as_masters`) changes no value and no
+    gradient. Left float32: the final norm's scale (used in float32) and a table an FP8 head
+    quantises (it scales the master's own values)."""
+    fp8_head = "embed" if model.cfg.tie_embeddings else "logits"
+    skip = (fp8_head,) if model.logits_dot_general is not None else ()
+
+    if outer_specs is None:
+        return outer
+
+    def one(path: tuple, a: jax.Array, spec: P) -> jax.Array:
+        gathered = a.ndim > 1 and path[0].key not in skip and _spec_axes(spec) & (manual - {PIPE})
+        return a.astype(model.cfg.dtype) if gathered else a
+
+    return jax.tree_util.tree_map_with_path(one, outer, outer_specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def _at(tree: Any, c: jax.Array, v: int) -> Any:
@@ -174,11 +208,13 @@ def make_scheduled_value_and_grad(
     mesh: jax.sharding.Mesh,
     layer_specs: Any,
     batch_shards: int,
+    outer_specs: Any = None,
 ) -> Callable[[Any, dict, Any], tuple[tuple[jax.Array, tuple[jax.Array, dict]], tuple[Any, Any]]]:
     """(params with stage-layout 'layers', batch, FP8 state or {}) -> ((loss, (cross-entropy, MoE
     stats)), (gradients like params, new FP8 state)): train_step.make_value_and_grad's contract,
     for a table schedule (1F1B, interleaved 1F1B, ZB-H1: `sched.table()`).
-    `batch_shards`: Parallelism.batch_shards, the devices the batch is split over."""
+    `batch_shards`: Parallelism.batch_shards, the devices the batch is split over. `outer_specs`:
+    the stored PartitionSpecs of the parameters outside 'layers' (None: all replicated)."""
     p, m, v = sched.stages, sched.microbatches, sched.repeats
     table_dtype = jnp.dtype(model.grad_dtype or jnp.float32)  # the vocabulary tables' gradient sum
     tab = sched.table()
@@ -218,7 +254,7 @@ def make_scheduled_value_and_grad(
 
     def embed(outer: Any, tokens: jax.Array) -> jax.Array:
         # [b, T] -> [b, T, D] in the compute dtype: one microbatch's embedding on stage 0
-        return model.apply({"params": outer}, tokens, method=Transformer.embed_tokens)
+        return model.apply({"params": _as_masters(outer)}, tokens, method=Transformer.embed_tokens)
 
     def body(chunks, outer, micro_tok, micro_t, fp8_chunks, head_fp8, micro_docs, kept_total):
         s = jax.lax.axis_index(PIPE)
@@ -339,11 +375,11 @@ def make_scheduled_value_and_grad(
                 # mean over every kept token (unpacked: 1/(M x shards) each)
                 weight = share if mask_f is None else jnp.sum(mask_f != 0).astype(jnp.float32) / kept_total
                 value, (d_outer, d_fp8, dy) = jax.value_and_grad(head_loss, argnums=(0, 1, 2))(
-                    outer, head_fp8, y, tg, mask_f, weight)
+                    _as_masters(outer), head_fp8, y, tg, mask_f, weight)
                 return value, d_outer, d_fp8, dy
 
             def no_head(args):
-                return (varying(jnp.zeros((), jnp.float32)), jax.tree.map(jnp.zeros_like, outer),
+                return (varying(jnp.zeros((), jnp.float32)), _zero_masters(outer),
                         _nothing_like(head_fp8), jnp.zeros_like(args[0]))
 
             is_head = f_busy & (s == p - 1) & (c_f == v - 1)
@@ -384,7 +420,7 @@ def make_scheduled_value_and_grad(
 
             def embed_grad(args):
                 g, tokens, ct = args
-                _, vjp = jax.vjp(lambda e: embed({**outer, "embed": e}, tokens), outer["embed"])
+                _, vjp = jax.vjp(lambda e: embed({**outer, "embed": e}, tokens), _as_masters(outer["embed"]))
                 return jax.tree.map(jnp.add, g, vjp(ct)[0])
 
             g_outer = {**g_outer, "embed": jax.lax.cond(b_busy & (s == 0) & (c_b == 0), embed_grad, lambda a: a[0],
@@ -415,7 +451,7 @@ def make_scheduled_value_and_grad(
             zeros_x, zeros_x,
             jnp.zeros((tab.act_slots + 1, *zeros_x.shape), zeros_x.dtype),  # + the trash slot
             jnp.zeros((tab.cot_slots + 1, *zeros_x.shape), zeros_x.dtype),
-            jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), _masters(weights)), jax.tree.map(jnp.zeros_like, outer),
+            jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), _masters(weights)), _zero_masters(outer),
             None, None, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
             {k: jnp.zeros((v, *shape), jnp.float32) for k, shape in stat_shapes.items()},
         )
@@ -477,7 +513,8 @@ def make_scheduled_value_and_grad(
         kept_total = (jnp.maximum(jnp.sum(batch["loss_mask"] != 0), 1).astype(jnp.float32) if micro_docs
                       else jnp.ones((), jnp.float32))
         ce, router, stats, g_layers, g_outer, new_stack_fp8, new_head_fp8 = piped(
-            params["layers"], outer, micro_tok, micro_t, stack_fp8, head_fp8, micro_docs, kept_total)
+            params["layers"], _carried_tables(model, outer, outer_specs, manual), micro_tok, micro_t, stack_fp8,
+            head_fp8, micro_docs, kept_total)
         g_outer = jax.tree.map(lambda g: sum_shards(g, g.dtype), g_outer)  # [batch shards, ...] -> [...]
         stats = {k: x.reshape(-1, *x.shape[3:])[:sched.units or None] for k, x in stats.items()}  # layer-major
         new_fp8 = dict(new_head_fp8)

@@ -134,7 +134,9 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
         forward_only = schedule
         if schedule.own_gradients:  # a table schedule; the forward-only `apply` (evaluation) runs
             # its forward order: GPipe, or circular for interleaved chunks (the same stage layout)
-            value_and_grad = make_scheduled_value_and_grad(model, schedule, mesh, layer_specs, par.batch_shards)
+            outer_specs = {k: jax.tree.map(lambda s: s.spec, v) for k, v in param_shardings.items() if k != "layers"}
+            value_and_grad = make_scheduled_value_and_grad(model, schedule, mesh, layer_specs, par.batch_shards,
+                                                           outer_specs)
             forward_only = dataclasses.replace(schedule, name="circular" if schedule.repeats > 1 else "gpipe")
         apply = make_pipelined_apply(model, forward_only, mesh, layer_specs)
     else:
