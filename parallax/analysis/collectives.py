@@ -270,7 +270,9 @@ def pipe_terms(s: Dims) -> list[Term]:
             "exposed", None, 2)
     out.add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act / s.sp_t, 2, on_p & ~f1b,
             "exposed", None, s.p)
-    out.add(("pipe",), "all-reduce", "embedding and head gradients (1F1B psum)", s.gb * (s.embed_t + s.head_t) + 4 * s.D,
+    # (ZeRO: on the 1/data shard, after the reduce-scatter over data; pipeline_1f1b._reduce_table)
+    tables = s.gb * (s.embed_t + s.head_t) / np.where(s.zero > 0, s.d, 1)
+    out.add(("pipe",), "all-reduce", "embedding and head gradients (1F1B psum)", tables + 4 * s.D,
             1, on_p & f1b, "exposed", None, s.p)
     return out.terms
 
@@ -359,15 +361,23 @@ def _stage_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
 
 
 def _outer_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
-    """The embedding, head and final-norm gradients, once per step, as ZeRO asks (the table
-    schedules, pipeline_1f1b.make_scheduled_value_and_grad, sum them over `pipe` inside the stages
-    and leave the batch axes' sum to the partitioner, as here: after the tick loop)."""
+    """The embedding, head and final-norm gradients, once per step, as ZeRO asks. The table
+    schedules (pipeline_1f1b._reduce_table) reduce them after the tick loop: under ZeRO a
+    reduce-scatter over data (on every compiler: an explicit psum_scatter), the 1/data shard then
+    summed over expert and pipe; without ZeRO summed over pipe, the batch axes' sum left to the
+    partitioner, as here."""
     f1b, dp, split = s.f1b, s.dp, r.split
     tables = s.gb * (s.embed_t + s.head_t)
+    f1b_z = f1b & (s.zero > 0)
     for kind, on, shard in r.kinds:
-        for layouts, overlap in ((~f1b, "backward"), (f1b, "exposed")):
+        for layouts, overlap in ((~f1b, "backward"), (f1b & ~f1b_z, "exposed")):
             out.add(r.axes, kind, "embedding, head and final-norm gradients", (tables + 4 * s.D) / shard, 1,
                     (dp > 1) & on & ~split & layouts, overlap, None, dp)
+    out.add(("data",), "reduce-scatter", "embedding and head gradients (1F1B, over data first)", tables / s.d, 1,
+            f1b_z & (s.d > 1), "exposed", None, s.d)
+    out.add(("expert",), "all-reduce", "embedding and head gradients (1F1B, their 1/data shard over expert)",
+            tables / s.d, 1, f1b_z & (s.ep > 1), "exposed", None, s.ep)
+    out.add(r.axes, "all-reduce", "final-norm gradient (1F1B)", 4 * s.D, 1, f1b_z & (dp > 1), "exposed", None, dp)
     # ZeRO-1 with experts: the tables' gradients leave the vocabulary ends (model/vocab.py) pinned
     # to their compute layout, so they are reduced over data x expert at once, whole
     out.add(r.axes, "all-reduce", "embedding and head gradients (ZeRO-1 with experts)", tables, 1, split, "backward",

@@ -61,8 +61,9 @@ Gradients are reduced once per step, after the tick loop: every device's loss is
 the global mean (1/(M x batch shards) of its rows' mean per microbatch), so a weight's gradient is
 the sum over the batch axes it is replicated on (a reduce-scatter over `data` for a ZeRO-3 weight,
 nothing over `expert` for an expert's weight, whose gradient already holds every shard's tokens
-through the all-to-all's transpose; the vocabulary tables and the final norm leave the stages
-one per batch shard, their sum left to the layout ZeRO gives the update). Scaling the share in,
+through the all-to-all's transpose; the vocabulary tables, under ZeRO, reduce-scattered over
+`data` to the update's shards and then summed over `pipe` on those shards; without ZeRO, and the
+final norm, summed over `pipe` and left one per batch shard for the sum outside). Scaling the share in,
 rather than averaging after, keeps every cotangent inside the loop the global loss's: FP8's
 gradient amaxes are one device's.
 
@@ -83,7 +84,7 @@ from parallax.model.fp8_state import padding_value
 from parallax.model.layers import CastWeight, QuantizedWeight
 from parallax.model.transformer import Transformer, moe_stat_shapes
 from parallax.model.vocab import sum_shards
-from parallax.model.logical import entry_axes, keep_axes, vary, varying_axes
+from parallax.model.logical import drop_axes, entry_axes, keep_axes, vary, varying_axes
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
 from parallax.parallel.pipeline import (gather_stage_weights, manual_over, stage_fn, stage_placement, to_layer_major,
@@ -145,6 +146,35 @@ def _reduce(g: jax.Array, spec: P, manual: set[str]) -> jax.Array:
         return jax.lax.psum(g, replicated) if replicated else g
 
     return manual_over(reduce, stage_placement(spec, manual))(g)[:, None]
+
+
+def _scatter_dim(update_spec: P | None) -> int | None:
+    """The dimension of a vocabulary table the update shards over `data` (ZeRO-1 and 3: `embed`),
+    which _reduce_table scatters its gradient on; None: the update wants it whole (no ZeRO; the
+    final norm's scale)."""
+    dims = [d for d, e in enumerate(update_spec or ()) if DATA in entry_axes(e)]
+    return dims[0] if dims else None
+
+
+def _reduce_table(g: jax.Array, update_spec: P | None, manual: set[str]) -> jax.Array:
+    """A table's gradient, after the tick loop, to what its update reads. Only stage 0's embedding
+    and the last stage's head gradient are non-zero, and every stage holds the tables, so each is
+    summed over `pipe` as well as over the batch axes. Where ZeRO shards the update over `data`
+    the gradient is reduce-scattered over `data` first and summed over `pipe` on its 1/data shard:
+    the psum of the whole table over `pipe` was 2 GiB of a 1B model's 2.3 GiB of pipe traffic per
+    step (Llama-3.2-1B shape, data 4 x pipe 4; BUILD_NOTES.md). Otherwise it is summed over `pipe`
+    here and left one per batch shard [1, ...] for the sum over the batch axes outside."""
+    dim = _scatter_dim(update_spec)
+    if dim is None:
+        return jax.lax.psum(g, PIPE)[None]
+    rest = tuple(a for a in BATCH_AXES if a != DATA and a in manual)  # experts: the tables are replicated over them
+
+    def reduce(g: jax.Array) -> jax.Array:
+        g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
+        return jax.lax.psum(jax.lax.psum(g, rest) if rest else g, PIPE)
+
+    # `tensor` manual too (pipeline.manual_over): each device scatters its own vocabulary shard
+    return manual_over(reduce, drop_axes(update_spec, manual))(g)
 
 
 def _carried_tables(model: Transformer, outer: Any, outer_specs: Any, manual: set[str]) -> Any:
@@ -209,12 +239,14 @@ def make_scheduled_value_and_grad(
     layer_specs: Any,
     batch_shards: int,
     outer_specs: Any = None,
+    outer_update_specs: Any = None,
 ) -> Callable[[Any, dict, Any], tuple[tuple[jax.Array, tuple[jax.Array, dict]], tuple[Any, Any]]]:
     """(params with stage-layout 'layers', batch, FP8 state or {}) -> ((loss, (cross-entropy, MoE
     stats)), (gradients like params, new FP8 state)): train_step.make_value_and_grad's contract,
     for a table schedule (1F1B, interleaved 1F1B, ZB-H1: `sched.table()`).
     `batch_shards`: Parallelism.batch_shards, the devices the batch is split over. `outer_specs`:
-    the stored PartitionSpecs of the parameters outside 'layers' (None: all replicated)."""
+    the stored PartitionSpecs of the parameters outside 'layers' (None: all replicated);
+    `outer_update_specs`: theirs in the optimizer's layout (None: the update takes them whole)."""
     p, m, v = sched.stages, sched.microbatches, sched.repeats
     table_dtype = jnp.dtype(model.grad_dtype or jnp.float32)  # the vocabulary tables' gradient sum
     tab = sched.table()
@@ -245,6 +277,7 @@ def make_scheduled_value_and_grad(
     sharded_over = jax.tree.map(lambda s: tuple(a for e in s for a in entry_axes(e) if a != PIPE), param_specs,
                                 is_leaf=lambda a: isinstance(a, P))
     stat_shapes = moe_stat_shapes(c, layers_per_chunk=sched.chunk_units)
+    update_specs_like = lambda tree: outer_update_specs or jax.tree.map(lambda _: None, tree)  # noqa: E731
 
     def head_loss(outer: Any, head_fp8: Any, y: jax.Array, targets: jax.Array, loss_mask: Any,
                   weight: jax.Array) -> jax.Array:
@@ -466,16 +499,14 @@ def make_scheduled_value_and_grad(
         # (over the batch axes, then over `pipe`: one reduction over both would be one all-reduce
         # over every device, not the two small groups the cost model counts)
         total = lambda x: jax.lax.psum(jax.lax.psum(x, BATCH_AXES), PIPE)  # noqa: E731
-        # The embedding, head and final-norm gradients: summed over `pipe` here (only stage 0's
-        # embedding and the last stage's head are non-zero), and left one per batch shard
-        # [1, ...] for the sum over the batch axes outside, where the layout the update wants
-        # decides the collective (ZeRO: a reduce-scatter), as for every other layout's tables
-        # (vocab.VocabPins.reduce). The tables in parallel.grad_reduce_dtype, as every matmul
-        # weight's gradient; the final norm's scale in float32. The barrier keeps the two sums
-        # apart: XLA:GPU folds consecutive all-reduces into one over data x pipe (the same link
-        # bytes), which leaves every device the whole table where ZeRO wants a reduce-scatter.
+        # The embedding, head and final-norm gradients (only stage 0's embedding and the last
+        # stage's head are non-zero): _reduce_table. The tables in parallel.grad_reduce_dtype, as
+        # every matmul weight's gradient; the final norm's scale in float32. The barrier keeps the
+        # sums over pipe apart from the batch axes' sum outside: XLA:GPU folds consecutive
+        # all-reduces into one over data x pipe, which leaves every device the whole table.
         g_outer = jax.lax.optimization_barrier(jax.tree.map(
-            lambda g: jax.lax.psum(g.astype(table_dtype if g.ndim > 1 else jnp.float32), PIPE)[None], g_outer))
+            lambda g, spec: _reduce_table(g.astype(table_dtype if g.ndim > 1 else jnp.float32), spec, manual),
+            g_outer, update_specs_like(g_outer)))
         ce = total(ce)  # only the last stage summed
         router = total(router)
         # Per-token means average over microbatches and the (equal) batch shards; counts add.
@@ -495,7 +526,10 @@ def make_scheduled_value_and_grad(
     act = P(None, BATCH_AXES)
     stacked = P(None, PIPE)
     in_specs = (param_specs, P(), act, act, stacked, P(), act, P())
-    out_specs = (P(), P(), stacked, param_specs, P(BATCH_AXES), stacked, P())
+    # the tables' gradients: 1/data shards where ZeRO scatters them (_reduce_table), else one per batch shard
+    table_out = lambda spec: P(BATCH_AXES) if _scatter_dim(spec) is None else keep_axes(spec, {DATA})  # noqa: E731
+    out_specs = (P(), P(), stacked, param_specs, P(BATCH_AXES) if outer_update_specs is None else
+                 jax.tree.map(table_out, outer_update_specs, is_leaf=lambda a: isinstance(a, P)), stacked, P())
     piped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)
 
     def value_and_grad(params: Any, batch: dict, fp8: Any = None):
@@ -515,7 +549,8 @@ def make_scheduled_value_and_grad(
         ce, router, stats, g_layers, g_outer, new_stack_fp8, new_head_fp8 = piped(
             params["layers"], _carried_tables(model, outer, outer_specs, manual), micro_tok, micro_t, stack_fp8,
             head_fp8, micro_docs, kept_total)
-        g_outer = jax.tree.map(lambda g: sum_shards(g, g.dtype), g_outer)  # [batch shards, ...] -> [...]
+        g_outer = jax.tree.map(lambda g, spec: g if _scatter_dim(spec) is not None else sum_shards(g, g.dtype),
+                               g_outer, update_specs_like(g_outer))  # [batch shards, ...] -> [...]
         stats = {k: x.reshape(-1, *x.shape[3:])[:sched.units or None] for k, x in stats.items()}  # layer-major
         new_fp8 = dict(new_head_fp8)
         if "layers" in fp8:

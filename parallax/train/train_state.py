@@ -125,18 +125,20 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
     model = model or make_model(cfg, attention=par.attention, platform=par.platform)  # the mesh platform's kernels
     schedule = par.schedule
     logical_specs = nn.get_partition_spec(jax.eval_shape(lambda r: _init_boxed(model, cfg, r), jax.random.key(0)))
-    param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
-    value_and_grad = None
     if schedule is not None:
         logical_specs = {**logical_specs, "layers": stage_specs(logical_specs["layers"])}
-        param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
+    param_shardings = logical_shardings(logical_specs, mesh, make_rules(cfg.parallel))
+    opt_param_shardings = logical_shardings(logical_specs, mesh, optimizer_rules(cfg.parallel))
+    value_and_grad = None
+    if schedule is not None:
         layer_specs = jax.tree.map(lambda s: s.spec, param_shardings["layers"])
         forward_only = schedule
         if schedule.own_gradients:  # a table schedule; the forward-only `apply` (evaluation) runs
             # its forward order: GPipe, or circular for interleaved chunks (the same stage layout)
-            outer_specs = {k: jax.tree.map(lambda s: s.spec, v) for k, v in param_shardings.items() if k != "layers"}
+            outer_specs, update_specs = ({k: jax.tree.map(lambda s: s.spec, v) for k, v in shardings.items()
+                                          if k != "layers"} for shardings in (param_shardings, opt_param_shardings))
             value_and_grad = make_scheduled_value_and_grad(model, schedule, mesh, layer_specs, par.batch_shards,
-                                                           outer_specs)
+                                                           outer_specs, update_specs)
             forward_only = dataclasses.replace(schedule, name="circular" if schedule.repeats > 1 else "gpipe")
         apply = make_pipelined_apply(model, forward_only, mesh, layer_specs)
     else:
@@ -149,7 +151,6 @@ def make_layout(cfg: Config, mesh: jax.sharding.Mesh, par: Parallelism | None = 
             variables = {"params": params, **({FP8_COLLECTION: fp8} if fp8 else {})}
             return model.apply(variables, tokens, targets, method=Transformer.loss, **docs)
     params = jax.eval_shape(lambda r: _init_params(model, cfg, r, schedule), jax.random.key(0))
-    opt_param_shardings = logical_shardings(logical_specs, mesh, optimizer_rules(cfg.parallel))
     muon_layout = muon_shardings(params, logical_specs, opt_param_shardings) if cfg.optim.name == "muon" else None
     tx = make_optimizer(cfg, logical_specs, muon_layout)  # the stage layout's names when pipelined
     opt_state = jax.eval_shape(tx.init, params)
