@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 
-from parallax.analysis.audit import FAST_COMPILE, compile_step
-from parallax.analysis.gemms import attention_kernels
-from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices need no backend of their own (targets.py)
+
+from parallax.analysis.audit import FAST_COMPILE, compile_step  # noqa: E402
+from parallax.analysis.gemms import attention_kernels  # noqa: E402
+from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 
 MODEL = ModelConfig(d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, d_ff=5632, vocab_size=32000,
                     dtype="bfloat16")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices need no backend of their own (targets.py)
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # before JAX starts
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 

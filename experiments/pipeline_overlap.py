@@ -19,9 +19,12 @@ the tick's end, so at most one can run behind the other's compute within the tic
 from __future__ import annotations
 
 import argparse
+import os
 
-from parallax.analysis.audit import audit
-from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices need no backend of their own (targets.py)
+
+from parallax.analysis.audit import audit  # noqa: E402
+from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 
 
 def main() -> None:
