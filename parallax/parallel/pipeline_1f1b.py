@@ -214,6 +214,18 @@ def _add_at(tree: Any, c: jax.Array, update: Any, v: int, op: Callable = jnp.add
     return jax.tree.map(one, tree, update)
 
 
+def _at_unit(tree: Any, c: jax.Array, l: jax.Array, v: int) -> Any:
+    """Unit l of chunk c of a stage's [v, Lc, ...] leaves, sliced alone: with v > 1 a dynamic
+    chunk's whole slice is a copy of the chunk's weights (ZeRO-1: its float32 masters, 14.7 GiB
+    per device for the interleaved dense-1T row; BUILD_NOTES.md)."""
+    def one(a: jax.Array) -> jax.Array:
+        if v == 1:
+            return jax.lax.dynamic_index_in_dim(a[0], l, keepdims=False)
+        return jax.lax.dynamic_slice(a, (c, l, *([0] * (a.ndim - 2))), (1, 1, *a.shape[2:]))[0, 0]
+
+    return jax.tree.map(one, tree)
+
+
 def _update_at(tree: Any, c: jax.Array, l: jax.Array, update: Any, op: Callable = jnp.add) -> Any:
     """tree[c, l] = op(tree[c, l], update) over [v, Lc, ...] leaves, in place (a dynamic slice)."""
     def one(a: jax.Array, u: jax.Array) -> jax.Array:
@@ -313,9 +325,13 @@ def make_scheduled_value_and_grad(
             router = sum(wt * jnp.sum(stats[k]) for k, wt in moe_weights.items() if k in stats)
             return vary(jnp.asarray(router, jnp.float32), (*BATCH_AXES, PIPE))
 
-        def stage(w: Any, fp8: Any, x: jax.Array, docs: Any, chunk: jax.Array) -> tuple[tuple[jax.Array, jax.Array], dict]:
+        def stage(w: Any, fp8: Any, x: jax.Array, docs: Any, chunk: jax.Array,
+                  stacked: bool = False) -> tuple[tuple[jax.Array, jax.Array], dict]:
+            # `stacked`: w and fp8 are the stage's [v, Lc, ...] stacks, each unit slicing its own
+            # weights of chunk `chunk` (pipeline.stage_fn's `rep`), not the chunk sliced whole first
             mask = unit_mask(sched, s, chunk)  # uneven stages: this chunk's padding slots pass through
-            y, stats = with_stats(w, x, _as_meta(fp8), mask, docs=docs)  # fm32 inside, as fp8_variables
+            y, stats = with_stats(w, x, _as_meta(fp8), mask, rep=chunk if stacked else None,
+                                  docs=docs)  # fm32 inside, as fp8_variables
             return (y, router_loss(stats)), stats
 
         unit = unit_fn(model, combined)
@@ -327,19 +343,20 @@ def make_scheduled_value_and_grad(
             at once returned the whole stage's gradient as one more buffer of the stage's weights'
             size, float32, beside the accumulator (BUILD_NOTES.md "Pipelined ZeRO-3 in the compute
             dtype"). -> (g_w, new_fp8, the stage input's cotangent)."""
-            w_c, f_c, mask = _at(weights, chunk, v), _at(fp8_all, chunk, v), unit_mask(sched, s, chunk)
-            n = jax.tree.leaves(w_c)[0].shape[0]
+            f_c, mask = _at(fp8_all, chunk, v), unit_mask(sched, s, chunk)
+            n = jax.tree.leaves(weights)[0].shape[1]
             pick = lambda tree, l: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, l, keepdims=False), tree)  # noqa: E731
 
             def inputs(x):  # [n, b, T, D]: each unit's input
-                step = lambda h, xs: (unit(xs[0], _as_meta(xs[1]), xs[2], docs, h)[0], h)  # noqa: E731
-                return jax.lax.scan(step, x, (w_c, f_c, mask))[1]
+                step = lambda h, xs: (  # noqa: E731
+                    unit(_at_unit(weights, chunk, xs[0], v), _as_meta(xs[1]), xs[2], docs, h)[0], h)
+                return jax.lax.scan(step, x, (jnp.arange(n), f_c, mask))[1]
 
             hs = jax.lax.cond(busy, inputs, lambda x: varying(jnp.zeros((n, *x.shape), x.dtype)), x)
 
             def one(carry, l):
                 dh, g, nf = carry
-                w_l, f_l, real = pick(w_c, l), pick(f_c, l), None if mask is None else mask[l]
+                w_l, f_l, real = _at_unit(weights, chunk, l, v), pick(f_c, l), None if mask is None else mask[l]
 
                 def vjp_unit(args):
                     h, dh = args
@@ -389,7 +406,10 @@ def make_scheduled_value_and_grad(
             act = _put(act, inp, op["f_act"])  # kept for the B (and W) that recompute from it
 
             def forward(x):
-                (y, r), stats = stage(_at(weights, c_f, v), _at(fp8_all, c_f, v), x, docs_f, c_f)
+                # several chunks: each unit slices its own weights (a chunk's dynamic slice was a
+                # copy of its weights: _at_unit)
+                (y, r), stats = (stage(weights, fp8_all, x, docs_f, c_f, stacked=True) if v > 1 else
+                                 stage(_at(weights, c_f, v), _at(fp8_all, c_f, v), x, docs_f, c_f))
                 return y, r, {k: stats[k].astype(jnp.float32) for k in stat_shapes}
 
             def no_forward(x):
