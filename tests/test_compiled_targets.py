@@ -203,22 +203,21 @@ def test_gpu_gpipe_sends_overlap_the_next_half_microbatch(cuda_plugin):
         (c.name, placement_of(c, table)) for c in sends]
 
 
-def test_gpu_1f1b_forward_send_runs_behind_the_backward_pass(cuda_plugin):
+def test_gpu_1f1b_sends_run_behind_stage_compute(cuda_plugin):
     """The run's flags (distributed.GPU_FLAGS) make XLA:GPU write each tick's permutes as
-    send/recv pairs; with one chunk the sends go along a chain (pipeline_1f1b), and the tick's
-    activation send is issued before its B pass and waited for after it: half of the send bytes
-    hidden (the cotangent send follows all of the tick's compute). Before the flags, one
-    collective-permute issued after the tick's last GEMM (0%); with a ring, the closing pair's
-    send was exposed (25%)."""
+    send/recv pairs; with one chunk the sends go along a chain (pipeline_1f1b), the tick's
+    activation send is issued before its B pass and waited for after it, and the input cotangent
+    is sent at the start of the next tick, behind its F: all of the send bytes hidden. Before
+    the flags, one collective-permute issued after the tick's last GEMM (0%); with a ring, the
+    closing pair's send was exposed (25%); with the cotangent sent at its own tick's end, after
+    all of the tick's compute, half (50%)."""
     hlo = compile_step(LAYOUTS["f1b_zero1"], FAST_COMPILE, "h100-8").hlo
     assert " send(" in hlo and "collective-permute-start" not in hlo
     table = placements(hlo)
     sends = [c for c in collectives(hlo, {"data": 2, "tensor": 2, "pipe": 2, "expert": 1})
              if c.kind == "collective-permute"]
     assert len(sends) == 2, sends
-    hidden = [c for c in sends if placement_of(c, table).overlapped]
-    assert len(hidden) == 1, [(c.name, placement_of(c, table)) for c in sends]
-    assert hidden[0].bytes_per_step == sum(c.bytes_per_step for c in sends) / 2
+    assert all(placement_of(c, table).overlapped for c in sends), [(c.name, placement_of(c, table)) for c in sends]
 
 
 def test_moe_exchange_is_an_all_to_all_over_expert(target):

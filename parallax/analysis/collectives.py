@@ -255,8 +255,10 @@ def pipe_terms(s: Dims) -> list[Term]:
     Sequence parallelism: what is sent or summed of the residual stream is T/t of it.
 
     Overlap: GPipe's first half-microbatch's send runs behind the second half's compute, and
-    1F1B's forward send behind the tick's backward; 1F1B's cotangent send comes after all of the
-    tick's compute.
+    1F1B's forward send behind the tick's backward; 1F1B's cotangent send goes out at the next
+    tick's start, behind its F (pipeline_1f1b; compiled for h100-8 with one chunk, all of its bytes
+    overlapped, with two chunks, a ring, a quarter), but is still counted exposed here (the
+    planner's time; conservative).
     """
     out = _Terms(s)
     on_p, f1b = s.p > 1, s.f1b

@@ -389,11 +389,15 @@ def make_scheduled_value_and_grad(
             return (seg, pos), lm
 
         def tick(carry, row):
-            recv_f, recv_b, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc = carry
+            recv_f, unsent_b, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc = carry
             op = {k: a[s] for k, a in row.items()}  # this stage's row of the table
+            # The previous tick's input cotangent is sent now, not at that tick's end: nothing
+            # reads it before this tick's B, so F runs while it travels (at the tick's end only
+            # the embedding's gradient followed it: the send was exposed on XLA:GPU)
+            recv_b = jax.lax.ppermute(unsent_b, PIPE, bwd_ring)
             # what arrived goes to its slot (or the trash slot): in the interleaved and ZB-H1
             # orders it may be consumed ticks later
-            act, cot = _put(act, recv_f, op["recv_f"]), _put(cot, recv_b, op["recv_b"])
+            act = _put(act, recv_f, op["recv_f"])
             # F: chunk c_f on microbatch i_f (it reads the FP8 state; the B's recomputation records it)
             f_busy, c_f, i_f = op["f_busy"] == 1, op["f_chunk"], op["f_mb"]
             docs_f, mask_f = docs_of(i_f)
@@ -438,6 +442,7 @@ def make_scheduled_value_and_grad(
             is_head = f_busy & (s == p - 1) & (c_f == v - 1)
             value, d_outer, d_head_fp8, dy = jax.lax.cond(is_head, head, no_head, (out, targets))
             cot = _put(cot, dy, op["f_cot"])  # the trash slot unless this was the head
+            cot = _put(cot, recv_b, op["recv_b"])
             # B: recompute chunk c_b from its buffered input, apply the buffered output cotangent.
             # Split (ZB-H1): the input gradient only (and the FP8 state); the weights' is W's.
             b_busy, c_b, i_b = op["b_busy"] == 1, op["b_chunk"], op["b_mb"]
@@ -496,8 +501,7 @@ def make_scheduled_value_and_grad(
             g_outer = jax.tree.map(jnp.add, g_outer, d_outer)
             new_head_fp8 = jax.tree.map(jnp.maximum, new_head_fp8, d_head_fp8)
             sent_f = jax.lax.ppermute(out, PIPE, fwd_ring)
-            sent_b = jax.lax.ppermute(dx, PIPE, bwd_ring)
-            return (sent_f, sent_b, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce + value, router + r_value,
+            return (sent_f, dx, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce + value, router + r_value,
                     acc), None
 
         init = (
