@@ -7,8 +7,10 @@ every table schedule: each tick, stage s reads its row of the schedule's `Table`
 (schedules.py: per (tick, stage) an F op, a B op, a W op or nothing, as (chunk, microbatch) and
 buffer slots) and
 
-  - stores what arrived (last tick's activation from stage s-1, cotangent from stage s+1) in the
-    slot the table names: in the ZB-H1 order data may wait ticks before its op runs;
+  - sends the input gradient its last tick's B made backward (the ring's `ppermute`, sent here,
+    behind this tick's F: nothing reads it before this tick's B) and stores what arrived (last
+    tick's activation from stage s-1; the cotangent from stage s+1, before B) in the slot the
+    table names: in the ZB-H1 order data may wait ticks before its op runs;
   - F: runs chunk c of microbatch i on its input and keeps only that input (stage 0's chunk 0
     first embeds the microbatch's tokens, as Megatron's first stage does); after the last chunk on
     the last stage, runs the loss head at once and stores its cotangent;
@@ -19,15 +21,15 @@ buffer slots) and
     the input gradient goes straight into the embedding table's gradient (a scatter-add);
   - W (ZB-H1): `jax.vjp` of the chunk w.r.t. its weights from the same input and cotangent,
     deferred to where the table puts it (the weight-gradient accumulation stays float32);
-  - sends its F's output forward and its B's input gradient backward round the ring with
-    `ppermute` (the last stage's output of chunk c reaches stage 0's chunk c+1).
+  - sends its F's output forward round the ring with `ppermute` (the last stage's output of
+    chunk c reaches stage 0's chunk c+1), and keeps its B's input gradient for the next tick.
 
 Live activation memory per stage is the table's buffers (1F1B at most 2P-1 stage inputs,
 interleaved vP+P-1 chunk inputs, ZB-H1 P+1 inputs and P cotangents) plus one chunk's residuals,
 instead of M + P - 1 ticks of residuals; nothing of the whole batch's [B, T, D] lives through the
 loop (embedding the batch before it kept its output and its input cotangent, [M, B/M, T, D] each,
 on every stage). Idle ops are skipped with `lax.cond` (a real conditional per device); ticks run
-in lockstep (each ends with the ring sends), so a tick lasts as long as its busiest stage
+in lockstep (each ends with the forward send), so a tick lasts as long as its busiest stage
 (schedules.py states each table's tick model and bubble). The price is a recomputed
 forward in every backward (HFU > MFU), twice in ZB-H1 (B and W each recompute, and W's weight
 gradients need the input-gradient chain again): BUILD_NOTES.md has the compiled flops.
