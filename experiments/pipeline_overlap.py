@@ -3,17 +3,19 @@
     python experiments/pipeline_overlap.py [--target h100-8]
 
 Compiles the train step of a small bf16 model on data 2 x tensor 2 x pipe 2 (M = 4) for a
-compile-only target (nothing runs; "compiled for TARGET, not run") with GPipe, 1F1B, interleaved
-1F1B (v = 2) and ZB-H1, and reads the scheduled HLO through the audit (analysis/overlap.py): for
-every collective-permute over `pipe`, whether the compiler scheduled compute (a GEMM, convolution
-or attention kernel, or a loop or call holding one) between its start and its done, and the share
-of the send bytes that is so overlapped. The target compiles with the overlap flags a run sets
+compile-only target (nothing runs; "compiled for TARGET, not run") with GPipe, circular (R = 2),
+1F1B, interleaved 1F1B (v = 2) and ZB-H1, and reads the scheduled HLO through the audit
+(analysis/overlap.py): for every collective-permute over `pipe`, whether the compiler scheduled
+compute (a GEMM, convolution or attention kernel, or a loop or call holding one) between its start
+and its done (a decomposed permute: and its receiver's recv-done), and the share of the send bytes
+that is so overlapped. The target compiles with the overlap flags a run sets
 (distributed.GPU_FLAGS).
 
-GPipe sends two half-microbatches per tick, the first behind the second half's compute
-(pipeline.run_pipeline). 1F1B sends the tick's activation and its cotangent: both are produced at
-the tick's end, so at most one can run behind the other's compute within the tick. Interleaved
-1F1B runs the same tick; a ZB-H1 tick runs one op, so each of its two sends follows that op.
+GPipe and circular send two half-microbatches per tick: the first behind the second half's
+compute, the second at the next tick's start, behind that tick's first half
+(pipeline.run_pipeline). 1F1B sends the tick's activation behind its B and the last tick's
+cotangent at the tick's start, behind its F (pipeline_1f1b). Interleaved 1F1B runs the same tick
+round a ring; a ZB-H1 tick runs one op, so each of its two sends follows that op.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def main() -> None:
     ap.add_argument("--target", default="h100-8")
     args = ap.parse_args()
     model = ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=1024, vocab_size=512, dtype="bfloat16")
-    for schedule, repeats in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
+    for schedule, repeats in (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
         cfg = Config(mesh=MeshConfig(data=2, tensor=2, pipe=2), model=model,
                      parallel=ParallelConfig(microbatches=4, schedule=schedule, repeats=repeats),
                      train=TrainConfig(global_batch=16, seq_len=128))
@@ -41,7 +43,8 @@ def main() -> None:
         total = sum(r["bytes"] for r in sends)
         hidden = sum(r["overlapped_bytes"] for r in sends)
         share = hidden / total if total else float("nan")
-        print(f"{schedule:16s} compiled for {args.target}, not run: {sum(r['ops'] for r in sends)} collective-permutes "
+        name = f"circular_r{repeats}" if schedule == "circular" else schedule
+        print(f"{name:16s} compiled for {args.target}, not run: {sum(r['ops'] for r in sends)} collective-permutes "
               f"over pipe, {total / 2**20:.2f} MiB per step; {share:.0%} of the bytes with a GEMM scheduled between "
               f"start and done")
 

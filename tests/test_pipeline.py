@@ -171,10 +171,10 @@ def test_one_permute_per_tick_each_way(pipeline_hlo):
     permutes = [c for c in found if c.kind == "collective-permute"]
     micro_bytes = (B // sched.microbatches // 2) * T * MODEL.d_model * 4  # [B/(M data), T, D] fp32
     assert all(c.axes == ("pipe",) and c.executions == sched.ticks for c in permutes), permutes
+    # One chunk: along a chain, p - 1 of the p = 2 stages send (bytes averaged over the devices).
     if sched.name == "gpipe":  # two half-microbatch sends per tick, forward loop and its transpose
-        assert len(permutes) == 4 and all(c.bytes == micro_bytes // 2 for c in permutes), permutes
-    else:  # table schedules: activations forward and cotangents backward, both in the one loop, every tick;
-        # one chunk: along a chain, p - 1 of the p = 2 stages send (bytes averaged over the devices)
+        assert len(permutes) == 4 and all(c.bytes == micro_bytes // 4 for c in permutes), permutes
+    else:  # table schedules: activations forward and cotangents backward, both in the one loop, every tick
         assert len(permutes) == 2 and all(c.bytes == micro_bytes // 2 for c in permutes), permutes
 
 

@@ -254,22 +254,26 @@ def pipe_terms(s: Dims) -> list[Term]:
     so no input cotangents leave it).
     Sequence parallelism: what is sent or summed of the residual stream is T/t of it.
 
-    Overlap: GPipe's first half-microbatch's send runs behind the second half's compute, and
-    1F1B's forward send behind the tick's backward; 1F1B's cotangent send goes out at the next
-    tick's start, behind its F (pipeline_1f1b; compiled for h100-8 with one chunk, all of its bytes
-    overlapped, with two chunks, a ring, a quarter), but is still counted exposed here (the
-    planner's time; conservative).
+    Overlap ("tick": hidden behind the tick's compute in the planner's time): GPipe's first
+    half-microbatch's send runs behind the second half's compute and the second half's behind the
+    next tick's first half (pipeline.run_pipeline); 1F1B's forward send behind the tick's backward,
+    its cotangent send, at the next tick's start, behind its F (pipeline_1f1b). Compiled for
+    h100-8 and v5e-8 (experiments/pipeline_overlap.py) with one chunk all of 1F1B's send bytes
+    overlap; interleaved 1F1B's ring, a quarter on h100-8: its cotangent send is counted exposed.
     """
     out = _Terms(s)
     on_p, f1b = s.p > 1, s.f1b
     send, sends = s.act_m / s.halves / s.sp_t, s.ticks * s.halves
-    # (the table schedules with one chunk send along a chain, not a ring: p - 1 of p stages send,
+    # (with one chunk, every schedule sends along a chain, not a ring: p - 1 of p stages send,
     # and bytes are per device, averaged over the devices as the audit reads them)
-    chain = np.where(f1b & (s.r == 1), (s.p - 1) / np.maximum(s.p, 1), 1.0)
+    chain = np.where(s.r == 1, (s.p - 1) / np.maximum(s.p, 1), 1.0)
     out.add(("pipe",), "collective-permute", "stage activations forward", send * chain, sends, on_p, "tick", None, 2)
-    out.add(("pipe",), "collective-permute", "stage cotangents backward", send, sends, on_p & ~f1b, "tick", None, 2)
-    out.add(("pipe",), "collective-permute", "stage cotangents backward (1F1B)", send * chain, sends, on_p & f1b,
-            "exposed", None, 2)
+    out.add(("pipe",), "collective-permute", "stage cotangents backward", send * chain, sends, on_p & ~f1b, "tick", None, 2)
+    # one chunk: sent at the next tick's start, behind its F; interleaved's ring: counted exposed
+    out.add(("pipe",), "collective-permute", "stage cotangents backward (1F1B)", send * chain, sends,
+            on_p & f1b & (s.r == 1), "tick", None, 2)
+    out.add(("pipe",), "collective-permute", "stage cotangents backward (interleaved 1F1B)", send, sends,
+            on_p & f1b & (s.r > 1), "exposed", None, 2)
     out.add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act / s.sp_t, 2, on_p & ~f1b,
             "exposed", None, s.p)
     # (ZeRO: on the 1/data shard, after the reduce-scatter over data; pipeline_1f1b._reduce_table)

@@ -11,7 +11,10 @@ lists each computation's instructions in execution order. An asynchronous collec
 `collective-permute-start`, `all-to-all-start`; a generic `async-start` whose called
 computation holds the collective; or a decomposed collective-permute's `send` and `send-done`);
 it is **overlapped** when compute is scheduled between its start and its done in the same
-computation, **exposed** otherwise. A synchronous collective (the
+computation, **exposed** otherwise. A decomposed permute has two waits, the sender's `send-done`
+and the receiver's `recv-done` (every stage of the ring or chain is both): it is overlapped only
+when compute lies between the send and each of them, wrapping round the loop body when the
+compiler pipelined the recv-done into the next iteration. A synchronous collective (the
 form XLA:TPU leaves a collective in when its latency-hiding scheduler found nothing to put beside
 it: `async_collective_name` in its frontend attributes names the async pair it came from) is
 exposed. XLA:TPU's async collective fusions issue one collective as a chain of fusions (start,
@@ -97,6 +100,9 @@ def placements(hlo: str) -> dict[tuple[str, str], Placement]:
     out: dict[tuple[str, str], Placement] = {}
     for comp, lines in comps.items():
         open_at: dict[str, tuple[int, list[str]]] = {}
+        # a decomposed permute's receiving end: {its recv: where its recv-done is}
+        recv_done = {d.group(1): i for i, line in enumerate(lines) if " recv-done(" in line
+                     and (d := _DONE_OF.match(line))}
         for i, line in enumerate(lines):
             start = _START.match(line)
             if start and start.group(2):
@@ -113,6 +119,10 @@ def placements(hlo: str) -> dict[tuple[str, str], Placement]:
                 at, wrapped = open_at.pop(done.group(1))
                 between = lines[at + 1:i]
                 busy = any(_is_kernel(x) or set(_callees(x)) & computing for x in between)
+                received = recv_done.get(done.group(1).removesuffix("-send") + "-recv")
+                if received is not None:  # ... and compute before the receiver waits
+                    wait = lines[at + 1:received] if received > at else lines[at + 1:] + lines[:received]
+                    busy = busy and any(_is_kernel(x) or set(_callees(x)) & computing for x in wait)
                 placed = Placement(True, busy, len(between))
                 out[(comp, done.group(1))] = placed
                 # a generic async-start: hlo.collectives names the collective inside its computation

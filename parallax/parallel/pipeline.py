@@ -207,6 +207,26 @@ def _unless_idle_bwd(busy: jax.Array, ct: jax.Array) -> tuple[jax.Array, None]:
 _unless_idle.defvjp(_unless_idle_fwd, _unless_idle_bwd)
 
 
+@jax.custom_vjp
+def _in_order(done: jax.Array, nxt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(done, nxt) unchanged, but nothing reads `nxt` before `done` exists, and in the backward
+    pass nothing reads `done`'s cotangent before `nxt`'s exists. Between a tick's two halves: the
+    GPU compiler's dot merger otherwise runs both halves as one GEMM on their concatenation
+    (compiled for h100-8), which waits for both halves' receives and sends both halves after it."""
+    return jax.lax.optimization_barrier((done, nxt))
+
+
+def _in_order_fwd(done: jax.Array, nxt: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+    return _in_order(done, nxt), None
+
+
+def _in_order_bwd(_: None, cts: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    return jax.lax.optimization_barrier(cts)
+
+
+_in_order.defvjp(_in_order_fwd, _in_order_bwd)
+
+
 def _merge_halves(stats: list[dict]) -> dict:
     """Stats of the half-microbatches of one tick: counts add, per-token means average."""
     if len(stats) == 1:
@@ -335,7 +355,10 @@ def run_pipeline(
     # delayed: the stage's FP8 state combined over the batch axes once per step (fp8.combined_over)
     combined = fp8 is not None and split
     stage = stage_fn(model, combined)
-    ring = [(i, (i + 1) % p) for i in range(p)]
+    # A ring when the last stage's output feeds the first stage's next repeat (R > 1); for GPipe a
+    # chain: the closing pair would send what no one reads, and XLA:GPU decomposes a ring into
+    # two send/recv pairs per permute to break its cycle.
+    ring = [(i, (i + 1) % p) for i in (range(p) if r > 1 else range(p - 1))]
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual), layer_specs, is_leaf=lambda a: isinstance(a, P))
 
     # per weight, the manual axes it is stored sharded over (its FP8 amax is pmax-ed over them)
@@ -357,31 +380,37 @@ def run_pipeline(
         # which then runs once per step instead of at every use inside the loop.
         chunks = jax.tree.map(lambda c: vary(c, BATCH_AXES), chunks)
         micro = vary(micro, (PIPE,))
+        halved = micro.shape[1] % 2 == 0 and split  # [M, B/M, T, D]: this device's rows
 
         def tick(carry, tick_index):
-            state, outputs, acc = carry
+            recv_head, unsent_tail, outputs, acc = carry
+            # The last tick's tail half goes out here, at this tick's start: the first half's
+            # compute, which reads only the head received last tick, runs behind its send. Sent
+            # at the end of the last tick, it would be the loop's last op with nothing after it.
+            recv_tail = jax.lax.ppermute(unsent_tail, PIPE, ring)
             k = tick_index - s
             busy = (k >= 0) & (k < r * m)
             k = jnp.clip(k, 0, r * m - 1)
             group, rest = k // (r * p), k % (r * p)
             rep, i = rest // p, group * p + rest % p
             fresh = jax.lax.dynamic_index_in_dim(micro, i, keepdims=False)
-            inp = jnp.where((s == 0) & (rep == 0), fresh, state)
-            if fp8 is not None:  # a bubble tick's amaxes must be 0 (see the docstring)
-                inp = jnp.where(busy, inp, jnp.zeros_like(inp))
             mask = unit_mask(schedule, s, rep)
-            # Two half-microbatches per tick, each sent as soon as it is computed: the first
-            # half's send depends on nothing the second half computes, so on accelerators the
-            # collective-permute runs behind the second half's compute (async start/done pair).
+            # Two half-microbatches per tick: the first half's send depends on nothing the second
+            # half computes, so on accelerators it runs behind the second half's compute (async
+            # start/done or send/recv); the second half's goes out at the next tick's start.
             # Not under FP8's `current` recipe: each call scales by its own amax, and a half is
             # half of this device's rows, a set that depends on the data sharding. A whole
             # microbatch (rows i, i+M, ...) is the same set on every layout, so the run's numbers
             # depend on M only, as on one device with M microbatches.
-            halves = jnp.split(inp, 2) if inp.shape[0] % 2 == 0 and split else [inp]
+            # Each half picked on its own, the second after the first half's compute (_in_order):
+            # XLA:GPU fused the two selects (or the concatenation of the two received halves) into
+            # one kernel, so the first half's compute waited for the tail's receive.
+            received = [recv_head, recv_tail] if halved else [recv_tail]
+            fresh = jnp.split(fresh, 2) if halved else [fresh]
             docs_i = None if micro_docs is None else tuple(
                 jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in micro_docs)  # [B/M, T] each
-            doc_halves = [None] * len(halves) if docs_i is None else (
-                list(zip(*(jnp.split(a, len(halves)) for a in docs_i))))
+            doc_halves = [None] * len(received) if docs_i is None else (
+                list(zip(*(jnp.split(a, len(received)) for a in docs_i))))
             # A bubble tick computes on zeros and its FP8 dots still return a new state: under the
             # current recipe a zero amax keeps the previous scale (1 at first), which would win
             # the max over uses against the real, smaller scales. So a bubble tick's new state is
@@ -389,25 +418,35 @@ def run_pipeline(
             tick_fp8 = jax.tree.map(lambda c: _unless_idle(c, busy), fp8_chunks)
             if r == 1:  # a loop-invariant chunk: its residual is not stacked per tick
                 chunk, fp8_chunk = jax.tree.map(lambda c: c[0], (chunks, tick_fp8))
-                results = [stage(chunk, h, fp8_chunk if fp8 is not None else None, mask, docs=dh)
-                           for h, dh in zip(halves, doc_halves)]
+                run = functools.partial(stage, chunk, fp8=fp8_chunk if fp8 is not None else None, mask=mask)
             else:
-                results = [stage(chunks, h, tick_fp8 if fp8 is not None else None, mask, rep, docs=dh)
-                           for h, dh in zip(halves, doc_halves)]
-            outs = [o for o, _ in results]
+                run = functools.partial(stage, chunks, fp8=tick_fp8 if fp8 is not None else None, mask=mask, rep=rep)
+            outs, results, head = [], [], None
+            for f, h, dh in zip(fresh, received, doc_halves):
+                if outs:  # the second half after the first (backward: before it); see _in_order.
+                    # Only the send reads the ordered output: the backward adds its cotangent to
+                    # the stored output's after the second half's, not in one kernel before it.
+                    head, h = _in_order(outs[-1], h)
+                h = jnp.where((s == 0) & (rep == 0), f, h)
+                if fp8 is not None:  # a bubble tick's amaxes must be 0 (see the docstring)
+                    h = jnp.where(busy, h, jnp.zeros_like(h))
+                results.append(run(h, docs=dh))
+                outs.append(results[-1][0])
             stats = _merge_halves([st for _, st in results])
             # Stats of chunk `rep` on this microbatch; a bubble tick adds nothing.
             acc = {k: acc[k].at[rep].add(jnp.where(busy, v, 0)) for k, v in stats.items()}
-            sent = [jax.lax.ppermute(o, PIPE, ring) for o in outs]
+            head = outs[0][:0] if head is None else jax.lax.ppermute(head, PIPE, ring)
             out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
             done = busy & (s == p - 1) & (rep == r - 1)
             prev = jax.lax.dynamic_index_in_dim(outputs, i, keepdims=False)
             outputs = jax.lax.dynamic_update_index_in_dim(outputs, jnp.where(done, out, prev), i, 0)
-            return (jnp.concatenate(sent) if len(sent) > 1 else sent[0], outputs, acc), None
+            return (head, outs[-1], outputs, acc), None
 
         acc = {k: vary(jnp.zeros((r, *shape), jnp.float32), tuple(manual)) for k, shape in stat_shapes.items()}
-        init = (jnp.zeros_like(micro[0]), jnp.zeros_like(micro), acc)
-        (_, outputs, acc), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+        # the head half received, the tail half unsent ([0 or B/2M, T, D] and [B/2M or B/M, T, D])
+        cut = micro.shape[1] // 2 if halved else 0
+        init = (jnp.zeros_like(micro[0, :cut]), jnp.zeros_like(micro[0, cut:]), jnp.zeros_like(micro), acc)
+        (_, _, outputs, acc), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
         # Per-token means average over microbatches and the (equal) batch shards; counts add.
         acc = {k: jax.lax.psum(v, BATCH_AXES) if k == "load" else jax.lax.pmean(v / m, BATCH_AXES)
                for k, v in acc.items()}
