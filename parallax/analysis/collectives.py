@@ -276,8 +276,8 @@ def pipe_terms(s: Dims) -> list[Term]:
             on_p & f1b & (s.r > 1), "exposed", None, 2)
     out.add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act / s.sp_t, 2, on_p & ~f1b,
             "exposed", None, s.p)
-    # (ZeRO: on the 1/data shard, after the reduce-scatter over data; pipeline_1f1b._reduce_table)
-    tables = s.gb * (s.embed_t + s.head_t) / np.where(s.zero > 0, s.d, 1)
+    # (on the 1/data shard, after the reduce-scatter over data; pipeline_1f1b._reduce_table)
+    tables = s.gb * (s.embed_t + s.head_t) / s.d
     out.add(("pipe",), "all-reduce", "embedding and head gradients (1F1B psum)", tables + 4 * s.D,
             1, on_p & f1b, "exposed", None, s.p)
     return out.terms
@@ -368,22 +368,26 @@ def _stage_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
 
 def _outer_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
     """The embedding, head and final-norm gradients, once per step, as ZeRO asks. The table
-    schedules (pipeline_1f1b._reduce_table) reduce them after the tick loop: under ZeRO a
+    schedules (pipeline_1f1b._reduce_table) reduce the tables after the tick loop: a
     reduce-scatter over data (on every compiler: an explicit psum_scatter), the 1/data shard then
-    summed over expert and pipe; without ZeRO summed over pipe, the batch axes' sum left to the
-    partitioner, as here."""
+    summed over expert and pipe; under ZeRO that shard is the update's, without it gathered back
+    over data once. The final norm's scale (and every table when data is 1) is summed over pipe,
+    the batch axes' sum left to the partitioner, as here."""
     f1b, dp, split = s.f1b, s.dp, r.split
     tables = s.gb * (s.embed_t + s.head_t)
     f1b_z = f1b & (s.zero > 0)
+    scattered = f1b & (f1b_z | (s.d > 1))
     for kind, on, shard in r.kinds:
-        for layouts, overlap in ((~f1b, "backward"), (f1b & ~f1b_z, "exposed")):
+        for layouts, overlap in ((~f1b, "backward"), (f1b & ~scattered, "exposed")):
             out.add(r.axes, kind, "embedding, head and final-norm gradients", (tables + 4 * s.D) / shard, 1,
                     (dp > 1) & on & ~split & layouts, overlap, None, dp)
     out.add(("data",), "reduce-scatter", "embedding and head gradients (1F1B, over data first)", tables / s.d, 1,
-            f1b_z & (s.d > 1), "exposed", None, s.d)
+            scattered & (s.d > 1), "exposed", None, s.d)
     out.add(("expert",), "all-reduce", "embedding and head gradients (1F1B, their 1/data shard over expert)",
-            tables / s.d, 1, f1b_z & (s.ep > 1), "exposed", None, s.ep)
-    out.add(r.axes, "all-reduce", "final-norm gradient (1F1B)", 4 * s.D, 1, f1b_z & (dp > 1), "exposed", None, dp)
+            tables / s.d, 1, scattered & (s.ep > 1), "exposed", None, s.ep)
+    out.add(("data",), "all-gather", "embedding and head gradients (1F1B without ZeRO, gathered back)", tables, 1,
+            scattered & ~f1b_z, "exposed", None, s.d)
+    out.add(r.axes, "all-reduce", "final-norm gradient (1F1B)", 4 * s.D, 1, scattered & (dp > 1), "exposed", None, dp)
     # ZeRO-1 with experts: the tables' gradients leave the vocabulary ends (model/vocab.py) pinned
     # to their compute layout, so they are reduced over data x expert at once, whole
     out.add(r.axes, "all-reduce", "embedding and head gradients (ZeRO-1 with experts)", tables, 1, split, "backward",

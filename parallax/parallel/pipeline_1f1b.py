@@ -63,9 +63,10 @@ Gradients are reduced once per step, after the tick loop: every device's loss is
 the global mean (1/(M x batch shards) of its rows' mean per microbatch), so a weight's gradient is
 the sum over the batch axes it is replicated on (a reduce-scatter over `data` for a ZeRO-3 weight,
 nothing over `expert` for an expert's weight, whose gradient already holds every shard's tokens
-through the all-to-all's transpose; the vocabulary tables, under ZeRO, reduce-scattered over
-`data` to the update's shards and then summed over `pipe` on those shards; without ZeRO, and the
-final norm, summed over `pipe` and left one per batch shard for the sum outside). Scaling the share in,
+through the all-to-all's transpose; the vocabulary tables reduce-scattered over `data` and then
+summed over `pipe` on those shards, which are ZeRO's update's, or without ZeRO gathered back once;
+the final norm's scale summed over `pipe` and left one per batch shard for the sum outside).
+Scaling the share in,
 rather than averaging after, keeps every cotangent inside the loop the global loss's: FP8's
 gradient amaxes are one device's.
 
@@ -158,15 +159,29 @@ def _scatter_dim(update_spec: P | None) -> int | None:
     return dims[0] if dims else None
 
 
-def _reduce_table(g: jax.Array, update_spec: P | None, manual: set[str]) -> jax.Array:
+def _table_dim(update_spec: P | None, shape: tuple[int, ...], data: int) -> int | None:
+    """The dimension _reduce_table scatters a vocabulary table's gradient on over `data`: the one
+    ZeRO's update shards (_scatter_dim); without ZeRO the first dimension nothing shards that
+    `data` divides (the partitioner gathers the shard back for the update). None: the final
+    norm's scale, no data parallelism, or no such dimension."""
+    dim = _scatter_dim(update_spec)
+    if dim is not None or len(shape) < 2 or data < 2:
+        return dim
+    spec = tuple(update_spec or ()) + (None,) * len(shape)
+    return next((i for i, n in enumerate(shape) if not entry_axes(spec[i]) and n % data == 0), None)
+
+
+def _reduce_table(g: jax.Array, update_spec: P | None, manual: set[str], data: int) -> jax.Array:
     """A table's gradient, after the tick loop, to what its update reads. Only stage 0's embedding
     and the last stage's head gradient are non-zero, and every stage holds the tables, so each is
-    summed over `pipe` as well as over the batch axes. Where ZeRO shards the update over `data`
-    the gradient is reduce-scattered over `data` first and summed over `pipe` on its 1/data shard:
-    the psum of the whole table over `pipe` was 2 GiB of a 1B model's 2.3 GiB of pipe traffic per
-    step (Llama-3.2-1B shape, data 4 x pipe 4; BUILD_NOTES.md). Otherwise it is summed over `pipe`
-    here and left one per batch shard [1, ...] for the sum over the batch axes outside."""
-    dim = _scatter_dim(update_spec)
+    summed over `pipe` as well as over the batch axes. The gradient is reduce-scattered over `data`
+    first and summed over `pipe` on its 1/data shard (_table_dim): the psum of the whole table over
+    `pipe` was 2 GiB of a 1B model's 2.3 GiB of pipe traffic per step (Llama-3.2-1B shape, data 4 x
+    pipe 4; BUILD_NOTES.md). Under ZeRO the shard is what the update reads; without ZeRO the
+    partitioner gathers it back (the reduce-scatter and that gather move what an all-reduce over
+    `data` moves). Without a dimension to scatter (the final norm's scale) the gradient is summed
+    over `pipe` here and left one per batch shard [1, ...] for the sum over the batch axes outside."""
+    dim = _table_dim(update_spec, g.shape, data)
     if dim is None:
         return jax.lax.psum(g, PIPE)[None]
     rest = tuple(a for a in BATCH_AXES if a != DATA and a in manual)  # experts: the tables are replicated over them
@@ -530,9 +545,12 @@ def make_scheduled_value_and_grad(
         # every matmul weight's gradient; the final norm's scale in float32. The barrier keeps the
         # sums over pipe apart from the batch axes' sum outside: XLA:GPU folds consecutive
         # all-reduces into one over data x pipe, which leaves every device the whole table.
-        g_outer = jax.lax.optimization_barrier(jax.tree.map(
-            lambda g, spec: _reduce_table(g.astype(table_dtype if g.ndim > 1 else jnp.float32), spec, manual),
-            g_outer, update_specs_like(g_outer)))
+        # (One barrier per table: one over all of them typed each as varying over every axis any
+        # of them varies over, the final norm's batch axes too.)
+        g_outer = jax.tree.map(
+            lambda g, spec: jax.lax.optimization_barrier(_reduce_table(
+                g.astype(table_dtype if g.ndim > 1 else jnp.float32), spec, manual, mesh.shape[DATA])),
+            g_outer, update_specs_like(g_outer))
         ce = total(ce)  # only the last stage summed
         router = total(router)
         # Per-token means average over microbatches and the (equal) batch shards; counts add.
@@ -552,14 +570,19 @@ def make_scheduled_value_and_grad(
     act = P(None, BATCH_AXES)
     stacked = P(None, PIPE)
     in_specs = (param_specs, P(), act, act, stacked, P(), act, P())
-    # the tables' gradients: 1/data shards where ZeRO scatters them (_reduce_table), else one per batch shard
-    table_out = lambda spec: P(BATCH_AXES) if _scatter_dim(spec) is None else keep_axes(spec, {DATA})  # noqa: E731
-    out_specs = (P(), P(), stacked, param_specs, P(BATCH_AXES) if outer_update_specs is None else
-                 jax.tree.map(table_out, outer_update_specs, is_leaf=lambda a: isinstance(a, P)), stacked, P())
-    piped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)
+    # the tables' gradients (_reduce_table): 1/data shards; the final norm's scale one per batch shard
+    def table_out(spec: P | None, g: Any) -> P:
+        dim = _table_dim(spec, g.shape, mesh.shape[DATA])
+        if dim is None:
+            return P(BATCH_AXES)
+        return keep_axes(spec, {DATA}) if _scatter_dim(spec) is not None else P(*(DATA if i == dim else None
+                                                                                  for i in range(g.ndim)))
 
     def value_and_grad(params: Any, batch: dict, fp8: Any = None):
         outer = {k: v for k, v in params.items() if k != "layers"}
+        tables = jax.tree.map(table_out, update_specs_like(outer), outer, is_leaf=lambda a: a is None or isinstance(a, P))
+        piped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), stacked, param_specs, tables,
+                                                                              stacked, P()), axis_names=manual)
         fp8 = fp8 or {}
         stack_fp8 = to_stages(fp8["layers"], sched, fill=padding_value) if "layers" in fp8 else {}
         head_fp8 = {k: v for k, v in fp8.items() if k != "layers"}
@@ -575,8 +598,17 @@ def make_scheduled_value_and_grad(
         ce, router, stats, g_layers, g_outer, new_stack_fp8, new_head_fp8 = piped(
             params["layers"], _carried_tables(model, outer, outer_specs, manual), micro_tok, micro_t, stack_fp8,
             head_fp8, micro_docs, kept_total)
-        g_outer = jax.tree.map(lambda g, spec: g if _scatter_dim(spec) is not None else sum_shards(g, g.dtype),
-                               g_outer, update_specs_like(g_outer))  # [batch shards, ...] -> [...]
+        def to_update(g: jax.Array, out: P, spec: P | None) -> jax.Array:
+            if out == P(BATCH_AXES):  # [batch shards, ...] -> [...]
+                return sum_shards(g, g.dtype)
+            if spec is None or _scatter_dim(spec) is not None:  # ZeRO: the shard is the update's
+                return g
+            # without ZeRO the 1/data shard gathered once here: left to the consumers, the
+            # partitioner gathered it once per use (the optimizer's, the norm's: 3 on XLA:CPU)
+            return jax.lax.with_sharding_constraint(g, jax.sharding.NamedSharding(mesh, spec))
+
+        g_outer = jax.tree.map(to_update, g_outer, tables, update_specs_like(g_outer),
+                               is_leaf=lambda a: a is None or isinstance(a, P))
         stats = {k: x.reshape(-1, *x.shape[3:])[:sched.units or None] for k, x in stats.items()}  # layer-major
         new_fp8 = dict(new_head_fp8)
         if "layers" in fp8:
