@@ -315,7 +315,7 @@ def test_pipelined_zero1_and_1f1b_conditionals_equal_the_cost_model(target):
     where the shard_map is transposed, whole); the embedding and head tables' gradients (stage 0
     embeds each microbatch in its ticks, the last stage runs the head) are reduce-scattered over
     data to the update's 1/data shards first and summed over pipe on those shards
-    (pipeline_1f1b._reduce_table; the whole tables' psum over pipe was 2 GiB of the 1B 1F1B
+    (pipeline_tables.reduce_table; the whole tables' psum over pipe was 2 GiB of the 1B 1F1B
     calibration row's 2.3 GiB of pipe traffic): the model says so. Bytes within 1% per family
     (measured: exact but for the scalars)."""
     a = _audit(target, "f1b_zero1")
@@ -355,7 +355,7 @@ def test_pipelined_zero3_gathers_the_stage_weights_in_the_compute_dtype(target, 
     float32 masters were gathered (the dense-1T row on h100-16384: 95.2 GiB per device, 80.6
     with this alone). The bf16 bytes are the cost model's stage-gather term
     (Dims.unit_stage_gather) less its norm scales. The vocabulary tables are gathered in bf16 too
-    (1F1B: pipeline_1f1b._carried_tables; in float32 before, 132 KiB of the 280 KiB row), so the
+    (1F1B: pipeline_tables.carried_tables; in float32 before, 132 KiB of the 280 KiB row), so the
     whole row is the model's."""
     a = _audit(target, layout)
     gathers = _rows(a, ("data",), "all-gather")

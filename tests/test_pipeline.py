@@ -184,7 +184,7 @@ def test_no_stage_weight_gathers_and_gradients_reduced_once(pipeline_hlo):
     if sched.name == "gpipe":
         assert not gathers, gathers
     else:  # only the table gradients, reduce-scattered over data before their sum over pipe and
-        # gathered back after it for the update (pipeline_1f1b._reduce_table): embedding and head,
+        # gathered back after it for the update (pipeline_tables.reduce_table): embedding and head,
         # [V/tensor, D] float32 each, once per step
         tables = 2 * MODEL.vocab_size // 2 * MODEL.d_model * 4
         assert all(c.axes == ("data",) and not c.in_loop for c in gathers), gathers
@@ -411,14 +411,14 @@ def test_b_pass_returns_one_units_weight_gradient_under_remat_full(remat):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_tables_carried_in_the_compute_dtype_change_no_value_and_no_gradient(tie):
-    """pipeline_1f1b._carried_tables: under ZeRO-3 the table schedules' vocabulary tables enter the
+    """pipeline_tables.carried_tables: under ZeRO-3 the table schedules' vocabulary tables enter the
     tick loop cast to bf16 on their shards (a bf16 gather) and each use reads them back as float32
-    (_as_masters). Every use casts a table to bf16 anyway, so the loss and every gradient are
+    (as_masters). Every use casts a table to bf16 anyway, so the loss and every gradient are
     bit-identical to the float32 masters' (checked unpipelined: XLA:CPU refuses a pipelined bf16
     step; the gather's dtype is checked on the compiled targets, test_compiled_targets.py). The
     final norm's scale, used in float32, stays float32; so does a table an FP8 head quantises."""
     from jax.sharding import PartitionSpec as P
-    from parallax.parallel.pipeline_1f1b import _as_masters, _carried_tables
+    from parallax.parallel.pipeline_tables import as_masters, carried_tables
     from parallax.train.train_state import _init_params, make_model
 
     cfg = dataclasses.replace(BASE, model=dataclasses.replace(MODEL, dtype="bfloat16", tie_embeddings=tie),
@@ -427,23 +427,23 @@ def test_tables_carried_in_the_compute_dtype_change_no_value_and_no_gradient(tie
     params = _init_params(model, cfg, jax.random.key(0), None)
     outer = {k: v for k, v in params.items() if k != "layers"}
     specs = jax.tree.map(lambda a: P("data") if a.ndim > 1 else P(), outer)  # ZeRO-3: the tables over data
-    carried = _carried_tables(model, outer, specs, {"data", "expert", "pipe"})
+    carried = carried_tables(model, outer, specs, {"data", "expert", "pipe"})
     dtypes = {jax.tree_util.keystr(k): str(a.dtype) for k, a in jax.tree_util.tree_leaves_with_path(carried)}
     assert dtypes == {"['embed']['embedding']": "bfloat16", "['final_norm']['scale']": "float32",
                       **({} if tie else {"['logits']['kernel']": "bfloat16"})}
-    replicated = _carried_tables(model, outer, jax.tree.map(lambda a: P(), outer), {"data", "pipe"})
+    replicated = carried_tables(model, outer, jax.tree.map(lambda a: P(), outer), {"data", "pipe"})
     assert all(a.dtype == np.float32 for a in jax.tree.leaves(replicated))  # ZeRO-1: nothing gathered, nothing cast
     fp8 = dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, enabled=True, logits=True))
     head = "embed" if tie else "logits"
     assert all(a.dtype == np.float32 for a in jax.tree.leaves(
-        _carried_tables(make_model(fp8, platform="cpu"), outer, specs, {"data", "pipe"})[head]))
+        carried_tables(make_model(fp8, platform="cpu"), outer, specs, {"data", "pipe"})[head]))
     rows = np.random.default_rng(0).integers(0, 256, (4, T + 1)).astype(np.int32)
 
     def loss(o):
         return model.apply({"params": {**params, **o}}, rows[:, :-1], rows[:, 1:], method=model.loss)[0]
 
     want, want_grads = jax.value_and_grad(loss)(outer)
-    got, got_grads = jax.value_and_grad(loss)(_as_masters(carried))  # what the ticks differentiate
+    got, got_grads = jax.value_and_grad(loss)(as_masters(carried))  # what the ticks differentiate
     assert float(got) == float(want)
     for w, g in zip(jax.tree.leaves(want_grads), jax.tree.leaves(got_grads)):
         assert g.dtype == np.float32

@@ -276,7 +276,7 @@ def pipe_terms(s: Dims) -> list[Term]:
             on_p & f1b & (s.r > 1), "exposed", None, 2)
     out.add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act / s.sp_t, 2, on_p & ~f1b,
             "exposed", None, s.p)
-    # (on the 1/data shard, after the reduce-scatter over data; pipeline_1f1b._reduce_table)
+    # (on the 1/data shard, after the reduce-scatter over data; pipeline_tables.reduce_table)
     tables = s.gb * (s.embed_t + s.head_t) / s.d
     out.add(("pipe",), "all-reduce", "embedding and head gradients (1F1B psum)", tables + 4 * s.D,
             1, on_p & f1b, "exposed", None, s.p)
@@ -368,7 +368,7 @@ def _stage_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
 
 def _outer_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
     """The embedding, head and final-norm gradients, once per step, as ZeRO asks. The table
-    schedules (pipeline_1f1b._reduce_table) reduce the tables after the tick loop: a
+    schedules (pipeline_tables.reduce_table) reduce the tables after the tick loop: a
     reduce-scatter over data (on every compiler: an explicit psum_scatter), the 1/data shard then
     summed over expert and pipe; under ZeRO that shard is the update's, without it gathered back
     over data once. The final norm's scale (and every table when data is 1) is summed over pipe,

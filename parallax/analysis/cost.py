@@ -387,7 +387,7 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     gathered = np.where((s.zero == 3) & (s.remat == NONE) & ~s.piped & s.cpu, c * s.L * s.layer_t, 0)
     # pipelined ZeRO-3: each stage's gathered weights (Dims.unit_stage_gather; FP8's as calibrated
     # before its bits were gathered) and the tables: float32 (GPipe, circular), or in the compute
-    # dtype where the table schedules carry them into the tick loop (pipeline_1f1b._carried_tables)
+    # dtype where the table schedules carry them into the tick loop (pipeline_tables.carried_tables)
     stage = np.where(s.fp8, 4 * s.Ldev * s.layer_t, s.Ldev / s.unit * s.unit_stage_gather)
     gathered = gathered + np.where((s.zero == 3) & s.piped, stage + np.where(s.f1b, s.c, 4) * s.outer_t, 0)
     # ... and outside a pipeline one unit's full-size expert-weight gradient before and after

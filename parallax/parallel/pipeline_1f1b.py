@@ -56,7 +56,7 @@ What the other schedules take, this one takes too:
   GPipe: the matmul weights cast to the compute dtype on their shards first, under FP8 their E4M3
   bits; pipeline.gather_stage_weights), and reduce-scatters their float32 gradient once, after it.
   The vocabulary tables enter the shard_map cast to the compute dtype on their shards
-  (`_carried_tables`), so their gather is in it too; the ticks read them back as float32 inside
+  (`pipeline_tables.carried_tables`), so their gather is in it too; the ticks read them back as float32 inside
   each use, so every gradient is still taken of (and accumulated in) float32.
 
 Gradients are reduced once per step, after the tick loop: every device's loss is its share of
@@ -74,6 +74,7 @@ gradient amaxes are one device's.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -86,12 +87,13 @@ from parallax.model.fp8 import FP8_COLLECTION, META_DTYPE, quantize_weights_now,
 from parallax.model.fp8_state import padding_value
 from parallax.model.layers import CastWeight, QuantizedWeight
 from parallax.model.transformer import Transformer, moe_stat_shapes
-from parallax.model.vocab import sum_shards
-from parallax.model.logical import drop_axes, entry_axes, keep_axes, vary, varying_axes
+from parallax.model.logical import entry_axes, keep_axes, vary, varying_axes
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
 from parallax.parallel.pipeline import (gather_stage_weights, manual_over, stage_fn, stage_placement, to_layer_major,
                                        to_stages, unit_fn, unit_mask, with_batch_amaxes)
+from parallax.parallel.pipeline_tables import (as_masters, carried_tables, reduce_table, spec_axes, table_out_spec,
+                                               to_update)
 from parallax.parallel.sharding import BATCH_AXES
 
 _NOTHING = -jnp.inf  # fm32's zero: the identity of the max that combines FP8 states
@@ -104,10 +106,6 @@ def _as_meta(tree: Any) -> Any:
 def _nothing_like(tree: Any) -> Any:
     """The FP8 'no new state' of a bubble tick: -inf, typed (varying) as `tree`."""
     return jax.tree.map(lambda x: vary(jnp.full(x.shape, _NOTHING, jnp.float32), sorted(varying_axes(x))), tree)
-
-
-def _spec_axes(spec: P) -> set[str]:
-    return {a for entry in spec for a in entry_axes(entry)}
 
 
 def _is_weight(a: Any) -> bool:
@@ -124,12 +122,6 @@ def _with_masters(tree: Any, masters: Any) -> Any:
     return jax.tree.map(lambda a, w: a._replace(master=w) if _is_weight(a) else w, tree, masters, is_leaf=_is_weight)
 
 
-def _as_masters(tree: Any) -> Any:
-    """The tables as float32 masters again (_carried_tables): the VJPs differentiate these, inside
-    each use, where XLA folds the round trip into the use's own cast."""
-    return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-
-
 def _zero_masters(tree: Any) -> Any:
     return jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), tree)
 
@@ -139,7 +131,7 @@ def _reduce(g: jax.Array, spec: P, manual: set[str]) -> jax.Array:
     the sum over the batch axes it is replicated on (module docstring), reduce-scattered over
     `data` under ZeRO-3; with `tensor` manual too (pipeline.manual_over: the partitioner
     gathered the float32 gradient over `tensor` first, 104 GiB per device for the dense-1T row)."""
-    stored = _spec_axes(keep_axes(spec, manual))
+    stored = spec_axes(keep_axes(spec, manual))
     replicated = tuple(a for a in BATCH_AXES if a not in stored)
 
     def reduce(g: jax.Array) -> jax.Array:
@@ -149,70 +141,6 @@ def _reduce(g: jax.Array, spec: P, manual: set[str]) -> jax.Array:
         return jax.lax.psum(g, replicated) if replicated else g
 
     return manual_over(reduce, stage_placement(spec, manual))(g)[:, None]
-
-
-def _scatter_dim(update_spec: P | None) -> int | None:
-    """The dimension of a vocabulary table the update shards over `data` (ZeRO-1 and 3: `embed`),
-    which _reduce_table scatters its gradient on; None: the update wants it whole (no ZeRO; the
-    final norm's scale)."""
-    dims = [d for d, e in enumerate(update_spec or ()) if DATA in entry_axes(e)]
-    return dims[0] if dims else None
-
-
-def _table_dim(update_spec: P | None, shape: tuple[int, ...], data: int) -> int | None:
-    """The dimension _reduce_table scatters a vocabulary table's gradient on over `data`: the one
-    ZeRO's update shards (_scatter_dim); without ZeRO the first dimension nothing shards that
-    `data` divides (the partitioner gathers the shard back for the update). None: the final
-    norm's scale, no data parallelism, or no such dimension."""
-    dim = _scatter_dim(update_spec)
-    if dim is not None or len(shape) < 2 or data < 2:
-        return dim
-    spec = tuple(update_spec or ()) + (None,) * len(shape)
-    return next((i for i, n in enumerate(shape) if not entry_axes(spec[i]) and n % data == 0), None)
-
-
-def _reduce_table(g: jax.Array, update_spec: P | None, manual: set[str], data: int) -> jax.Array:
-    """A table's gradient, after the tick loop, to what its update reads. Only stage 0's embedding
-    and the last stage's head gradient are non-zero, and every stage holds the tables, so each is
-    summed over `pipe` as well as over the batch axes. The gradient is reduce-scattered over `data`
-    first and summed over `pipe` on its 1/data shard (_table_dim): the psum of the whole table over
-    `pipe` was 2 GiB of a 1B model's 2.3 GiB of pipe traffic per step (Llama-3.2-1B shape, data 4 x
-    pipe 4; BUILD_NOTES.md). Under ZeRO the shard is what the update reads; without ZeRO the
-    partitioner gathers it back (the reduce-scatter and that gather move what an all-reduce over
-    `data` moves). Without a dimension to scatter (the final norm's scale) the gradient is summed
-    over `pipe` here and left one per batch shard [1, ...] for the sum over the batch axes outside."""
-    dim = _table_dim(update_spec, g.shape, data)
-    if dim is None:
-        return jax.lax.psum(g, PIPE)[None]
-    rest = tuple(a for a in BATCH_AXES if a != DATA and a in manual)  # experts: the tables are replicated over them
-
-    def reduce(g: jax.Array) -> jax.Array:
-        g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
-        return jax.lax.psum(jax.lax.psum(g, rest) if rest else g, PIPE)
-
-    # `tensor` manual too (pipeline.manual_over): each device scatters its own vocabulary shard
-    return manual_over(reduce, drop_axes(update_spec, manual))(g)
-
-
-def _carried_tables(model: Transformer, outer: Any, outer_specs: Any, manual: set[str]) -> Any:
-    """The embedding, head and final-norm parameters as they enter the tick loop's shard_map: a
-    table stored sharded over a manual axis (ZeRO-3 over `data`) is gathered there, so it is cast
-    to the compute dtype on its shard first and the gather moves half the bytes, as unpipelined
-    ZeRO-3's (logical.ParamPlacement.to_compute). Every use casts the table to the compute dtype
-    anyway, so reading it back as float32 inside the use (`_as_masters`) changes no value and no
-    gradient. Left float32: the final norm's scale (used in float32) and a table an FP8 head
-    quantises (it scales the master's own values)."""
-    fp8_head = "embed" if model.cfg.tie_embeddings else "logits"
-    skip = (fp8_head,) if model.logits_dot_general is not None else ()
-
-    if outer_specs is None:
-        return outer
-
-    def one(path: tuple, a: jax.Array, spec: P) -> jax.Array:
-        gathered = a.ndim > 1 and path[0].key not in skip and _spec_axes(spec) & (manual - {PIPE})
-        return a.astype(model.cfg.dtype) if gathered else a
-
-    return jax.tree_util.tree_map_with_path(one, outer, outer_specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def _at(tree: Any, c: jax.Array, v: int) -> Any:
@@ -316,7 +244,7 @@ def make_scheduled_value_and_grad(
 
     def embed(outer: Any, tokens: jax.Array) -> jax.Array:
         # [b, T] -> [b, T, D] in the compute dtype: one microbatch's embedding on stage 0
-        return model.apply({"params": _as_masters(outer)}, tokens, method=Transformer.embed_tokens)
+        return model.apply({"params": as_masters(outer)}, tokens, method=Transformer.embed_tokens)
 
     def body(chunks, outer, micro_tok, micro_t, fp8_chunks, head_fp8, micro_docs, kept_total):
         s = jax.lax.axis_index(PIPE)
@@ -449,7 +377,7 @@ def make_scheduled_value_and_grad(
                 # mean over every kept token (unpacked: 1/(M x shards) each)
                 weight = share if mask_f is None else jnp.sum(mask_f != 0).astype(jnp.float32) / kept_total
                 value, (d_outer, d_fp8, dy) = jax.value_and_grad(head_loss, argnums=(0, 1, 2))(
-                    _as_masters(outer), head_fp8, y, tg, mask_f, weight)
+                    as_masters(outer), head_fp8, y, tg, mask_f, weight)
                 return value, d_outer, d_fp8, dy
 
             def no_head(args):
@@ -495,7 +423,7 @@ def make_scheduled_value_and_grad(
 
             def embed_grad(args):
                 g, tokens, ct = args
-                _, vjp = jax.vjp(lambda e: embed({**outer, "embed": e}, tokens), _as_masters(outer["embed"]))
+                _, vjp = jax.vjp(lambda e: embed({**outer, "embed": e}, tokens), as_masters(outer["embed"]))
                 return jax.tree.map(jnp.add, g, vjp(ct)[0])
 
             g_outer = {**g_outer, "embed": jax.lax.cond(b_busy & (s == 0) & (c_b == 0), embed_grad, lambda a: a[0],
@@ -541,14 +469,14 @@ def make_scheduled_value_and_grad(
         # over every device, not the two small groups the cost model counts)
         total = lambda x: jax.lax.psum(jax.lax.psum(x, BATCH_AXES), PIPE)  # noqa: E731
         # The embedding, head and final-norm gradients (only stage 0's embedding and the last
-        # stage's head are non-zero): _reduce_table. The tables in parallel.grad_reduce_dtype, as
+        # stage's head are non-zero): pipeline_tables.reduce_table. The tables in parallel.grad_reduce_dtype, as
         # every matmul weight's gradient; the final norm's scale in float32. The barrier keeps the
         # sums over pipe apart from the batch axes' sum outside: XLA:GPU folds consecutive
         # all-reduces into one over data x pipe, which leaves every device the whole table.
         # (One barrier per table: one over all of them typed each as varying over every axis any
         # of them varies over, the final norm's batch axes too.)
         g_outer = jax.tree.map(
-            lambda g, spec: jax.lax.optimization_barrier(_reduce_table(
+            lambda g, spec: jax.lax.optimization_barrier(reduce_table(
                 g.astype(table_dtype if g.ndim > 1 else jnp.float32), spec, manual, mesh.shape[DATA])),
             g_outer, update_specs_like(g_outer))
         ce = total(ce)  # only the last stage summed
@@ -570,17 +498,11 @@ def make_scheduled_value_and_grad(
     act = P(None, BATCH_AXES)
     stacked = P(None, PIPE)
     in_specs = (param_specs, P(), act, act, stacked, P(), act, P())
-    # the tables' gradients (_reduce_table): 1/data shards; the final norm's scale one per batch shard
-    def table_out(spec: P | None, g: Any) -> P:
-        dim = _table_dim(spec, g.shape, mesh.shape[DATA])
-        if dim is None:
-            return P(BATCH_AXES)
-        return keep_axes(spec, {DATA}) if _scatter_dim(spec) is not None else P(*(DATA if i == dim else None
-                                                                                  for i in range(g.ndim)))
-
     def value_and_grad(params: Any, batch: dict, fp8: Any = None):
         outer = {k: v for k, v in params.items() if k != "layers"}
-        tables = jax.tree.map(table_out, update_specs_like(outer), outer, is_leaf=lambda a: a is None or isinstance(a, P))
+        # the tables' gradients: 1/data shards (reduce_table); the final norm's scale one per batch shard
+        tables = jax.tree.map(functools.partial(table_out_spec, data=mesh.shape[DATA]), update_specs_like(outer), outer,
+                              is_leaf=lambda a: a is None or isinstance(a, P))
         piped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), stacked, param_specs, tables,
                                                                               stacked, P()), axis_names=manual)
         fp8 = fp8 or {}
@@ -596,18 +518,9 @@ def make_scheduled_value_and_grad(
         kept_total = (jnp.maximum(jnp.sum(batch["loss_mask"] != 0), 1).astype(jnp.float32) if micro_docs
                       else jnp.ones((), jnp.float32))
         ce, router, stats, g_layers, g_outer, new_stack_fp8, new_head_fp8 = piped(
-            params["layers"], _carried_tables(model, outer, outer_specs, manual), micro_tok, micro_t, stack_fp8,
+            params["layers"], carried_tables(model, outer, outer_specs, manual), micro_tok, micro_t, stack_fp8,
             head_fp8, micro_docs, kept_total)
-        def to_update(g: jax.Array, out: P, spec: P | None) -> jax.Array:
-            if out == P(BATCH_AXES):  # [batch shards, ...] -> [...]
-                return sum_shards(g, g.dtype)
-            if spec is None or _scatter_dim(spec) is not None:  # ZeRO: the shard is the update's
-                return g
-            # without ZeRO the 1/data shard gathered once here: left to the consumers, the
-            # partitioner gathered it once per use (the optimizer's, the norm's: 3 on XLA:CPU)
-            return jax.lax.with_sharding_constraint(g, jax.sharding.NamedSharding(mesh, spec))
-
-        g_outer = jax.tree.map(to_update, g_outer, tables, update_specs_like(g_outer),
+        g_outer = jax.tree.map(functools.partial(to_update, mesh=mesh), g_outer, tables, update_specs_like(g_outer),
                                is_leaf=lambda a: a is None or isinstance(a, P))
         stats = {k: x.reshape(-1, *x.shape[3:])[:sched.units or None] for k, x in stats.items()}  # layer-major
         new_fp8 = dict(new_head_fp8)
