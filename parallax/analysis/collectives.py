@@ -268,7 +268,8 @@ def pipe_terms(s: Dims) -> list[Term]:
     # and bytes are per device, averaged over the devices as the audit reads them)
     chain = np.where(s.r == 1, (s.p - 1) / np.maximum(s.p, 1), 1.0)
     out.add(("pipe",), "collective-permute", "stage activations forward", send * chain, sends, on_p, "tick", None, 2)
-    out.add(("pipe",), "collective-permute", "stage cotangents backward", send * chain, sends, on_p & ~f1b, "tick", None, 2)
+    out.add(("pipe",), "collective-permute", "stage cotangents backward", send * chain, sends, on_p & ~f1b, "tick",
+            None, 2)
     # one chunk: sent at the next tick's start, behind its F; interleaved's ring: counted exposed
     out.add(("pipe",), "collective-permute", "stage cotangents backward (1F1B)", send * chain, sends,
             on_p & f1b & (s.r == 1), "tick", None, 2)

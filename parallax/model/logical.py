@@ -101,10 +101,14 @@ def drop_axes(spec: P, axes: Iterable[str]) -> P:
     return P(*out)
 
 
+def spec_axes(spec: P) -> set[str]:
+    """Every mesh axis `spec` shards over."""
+    return {a for entry in spec for a in entry_axes(entry)}
+
+
 def keep_axes(spec: P, axes: Iterable[str]) -> P:
     """`spec` restricted to the given mesh axes (the in_specs of a partly manual shard_map)."""
-    axes = set(axes)
-    return drop_axes(spec, {a for entry in spec for a in entry_axes(entry)} - axes)
+    return drop_axes(spec, spec_axes(spec) - set(axes))
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:

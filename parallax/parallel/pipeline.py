@@ -34,7 +34,7 @@ from parallax.model.layers import CastWeight, QuantizedWeight
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
 from parallax.model.transformer import Transformer, moe_stat_shapes, remat_policy, stack_unit
-from parallax.model.logical import drop_axes, entry_axes, keep_axes, vary, varying_axes
+from parallax.model.logical import drop_axes, entry_axes, keep_axes, spec_axes, vary, varying_axes
 from parallax.parallel.sharding import BATCH_AXES
 
 # ----------------------------------------------------------------------------------------------
@@ -210,9 +210,10 @@ _unless_idle.defvjp(_unless_idle_fwd, _unless_idle_bwd)
 @jax.custom_vjp
 def _in_order(done: jax.Array, nxt: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(done, nxt) unchanged, but nothing reads `nxt` before `done` exists, and in the backward
-    pass nothing reads `done`'s cotangent before `nxt`'s exists. Between a tick's two halves: the
-    GPU compiler's dot merger otherwise runs both halves as one GEMM on their concatenation
-    (compiled for h100-8), which waits for both halves' receives and sends both halves after it."""
+    pass nothing reads `done`'s cotangent before `nxt`'s exists. Between a tick's two halves:
+    compiled for h100-8 without it, XLA:GPU fused the two halves' input selects (forward) and
+    cotangent sums (backward) into one kernel each and its dot merger ran both halves' matmuls as
+    one GEMM, so the first half waited for the second half's receive."""
     return jax.lax.optimization_barrier((done, nxt))
 
 
@@ -245,7 +246,7 @@ def manual_over(fn: Callable[[jax.Array], jax.Array], placed: P) -> Callable[[ja
     """`fn` (collectives over the pipeline's manual axes) applied with the axes `placed` names
     (`tensor`) manual too, each device on its own shard: the partitioner gathered a
     tensor-sharded operand of a manual all_gather or psum_scatter whole first."""
-    axes = {a for e in placed for a in entry_axes(e)}
+    axes = spec_axes(placed)
     if not axes:
         return fn
     return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=placed, out_specs=placed,

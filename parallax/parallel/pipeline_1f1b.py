@@ -56,8 +56,8 @@ What the other schedules take, this one takes too:
   GPipe: the matmul weights cast to the compute dtype on their shards first, under FP8 their E4M3
   bits; pipeline.gather_stage_weights), and reduce-scatters their float32 gradient once, after it.
   The vocabulary tables enter the shard_map cast to the compute dtype on their shards
-  (`pipeline_tables.carried_tables`), so their gather is in it too; the ticks read them back as float32 inside
-  each use, so every gradient is still taken of (and accumulated in) float32.
+  (`pipeline_tables.carried_tables`), so their gather is in it too; the ticks read them back as
+  float32 inside each use, so every gradient is still taken of (and accumulated in) float32.
 
 Gradients are reduced once per step, after the tick loop: every device's loss is its share of
 the global mean (1/(M x batch shards) of its rows' mean per microbatch), so a weight's gradient is
@@ -66,9 +66,8 @@ nothing over `expert` for an expert's weight, whose gradient already holds every
 through the all-to-all's transpose; the vocabulary tables reduce-scattered over `data` and then
 summed over `pipe` on those shards, which are ZeRO's update's, or without ZeRO gathered back once;
 the final norm's scale summed over `pipe` and left one per batch shard for the sum outside).
-Scaling the share in,
-rather than averaging after, keeps every cotangent inside the loop the global loss's: FP8's
-gradient amaxes are one device's.
+Scaling the share in, rather than averaging after, keeps every cotangent inside the loop the
+global loss's: FP8's gradient amaxes are one device's.
 
 """
 
@@ -87,13 +86,12 @@ from parallax.model.fp8 import FP8_COLLECTION, META_DTYPE, quantize_weights_now,
 from parallax.model.fp8_state import padding_value
 from parallax.model.layers import CastWeight, QuantizedWeight
 from parallax.model.transformer import Transformer, moe_stat_shapes
-from parallax.model.logical import entry_axes, keep_axes, vary, varying_axes
+from parallax.model.logical import entry_axes, keep_axes, spec_axes, vary, varying_axes
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
 from parallax.parallel.pipeline import (gather_stage_weights, manual_over, stage_fn, stage_placement, to_layer_major,
                                        to_stages, unit_fn, unit_mask, with_batch_amaxes)
-from parallax.parallel.pipeline_tables import (as_masters, carried_tables, reduce_table, spec_axes, table_out_spec,
-                                               to_update)
+from parallax.parallel.pipeline_tables import as_masters, carried_tables, reduce_table, table_out_spec, to_update
 from parallax.parallel.sharding import BATCH_AXES
 
 _NOTHING = -jnp.inf  # fm32's zero: the identity of the max that combines FP8 states
@@ -469,10 +467,11 @@ def make_scheduled_value_and_grad(
         # over every device, not the two small groups the cost model counts)
         total = lambda x: jax.lax.psum(jax.lax.psum(x, BATCH_AXES), PIPE)  # noqa: E731
         # The embedding, head and final-norm gradients (only stage 0's embedding and the last
-        # stage's head are non-zero): pipeline_tables.reduce_table. The tables in parallel.grad_reduce_dtype, as
-        # every matmul weight's gradient; the final norm's scale in float32. The barrier keeps the
-        # sums over pipe apart from the batch axes' sum outside: XLA:GPU folds consecutive
-        # all-reduces into one over data x pipe, which leaves every device the whole table.
+        # stage's head are non-zero): pipeline_tables.reduce_table. The tables in
+        # parallel.grad_reduce_dtype, as every matmul weight's gradient; the final norm's scale in
+        # float32. The barrier keeps the sums over pipe apart from the batch axes' sum outside:
+        # XLA:GPU folds consecutive all-reduces into one over data x pipe, which leaves every
+        # device the whole table.
         # (One barrier per table: one over all of them typed each as varying over every axis any
         # of them varies over, the final norm's batch axes too.)
         g_outer = jax.tree.map(

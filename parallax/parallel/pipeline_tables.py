@@ -16,16 +16,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from parallax.model.logical import drop_axes, entry_axes, keep_axes
+from parallax.model.logical import drop_axes, entry_axes, keep_axes, spec_axes
 from parallax.model.transformer import Transformer
 from parallax.model.vocab import sum_shards
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallel.pipeline import manual_over
 from parallax.parallel.sharding import BATCH_AXES
-
-
-def spec_axes(spec: P) -> set[str]:
-    return {a for entry in spec for a in entry_axes(entry)}
 
 
 def as_masters(tree: Any) -> Any:
