@@ -19,7 +19,7 @@ ORDER = [
     "train.tokenizer", "train.sources", "train.prepare", "train.data", "train.input", "train.train_step", "train.build",
     "train.checkpoint", "train.metrics", "train.tracker", "train.goodput", "train.profiler", "train.loop",
     "interop.hf_layout", "interop.hf", "infer.decode", "infer.sample", "infer.evaluate",
-    "analysis.cost", "analysis.collectives", "analysis.hlo", "analysis.overlap", "analysis.gemms", "analysis.audit", "analysis.presets", "analysis.plan",
+    "analysis.cost", "analysis.collectives", "analysis.hlo", "analysis.overlap", "analysis.gemms", "analysis.heap", "analysis.audit", "analysis.presets", "analysis.plan",
     "cli", "__main__",
 ]
 SUBPACKAGES = ("model", "parallel", "train", "interop", "infer", "analysis")

@@ -1,0 +1,48 @@
+"""The heap-simulator replay (parallax/analysis/heap.py): its wire decoder, and its peak against
+memory_analysis() on XLA:CPU and on the compile-only XLA:GPU target (h100-8)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from parallax.analysis.audit import compile_step
+from parallax.analysis.heap import DUMP_OPTIONS, _fields, dumped_peak
+from test_targets import CFG, cuda_plugin  # noqa: F401 - the fixture: a failure under CI without the plugin
+
+
+def test_the_wire_decoder_reads_varints_strings_and_fixed_fields():
+    # field 1 varint 300 (two bytes), field 2 bytes 'ab', field 3 fixed32, field 4 fixed64, field 35 varint 7
+    message = bytes([0x08, 0xAC, 0x02, 0x12, 0x02, 0x61, 0x62, 0x1D, 1, 2, 3, 4, 0x21, *range(8), 0x98, 0x02, 0x07])
+    assert _fields(message) == [(1, 300), (2, b"ab"), (3, bytes([1, 2, 3, 4])), (4, bytes(range(8))), (35, 7)]
+
+
+def test_the_replayed_peak_is_the_cpu_temporaries_and_names_its_buffers(tmp_path):
+    def step(x):  # the dump options select the module named jit_step
+        y = jnp.sin(x) @ x
+        return (jnp.cos(y) @ y).sum()
+
+    compiled = jax.jit(jax.grad(step)).lower(jnp.ones((512, 512))).compile(
+        {**DUMP_OPTIONS, "xla_dump_to": str(tmp_path)})
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    peak = dumped_peak(str(tmp_path))
+    assert 0.9 * temp <= peak.bytes <= temp, (peak.bytes, temp)
+    assert sum(b.bytes for b in peak.buffers) == peak.bytes
+    # four [512, 512] float32 values (1 MiB each) meet at the peak; the dots are named by their op_name
+    assert peak.bytes >= 4 * 2**20
+    assert any("dot_general" in b.op_name for b in peak.buffers), peak.buffers
+
+
+def test_the_replayed_peak_holds_the_gpu_targets_temporaries(cuda_plugin, tmp_path):  # noqa: F811
+    step = compile_step(CFG, {**DUMP_OPTIONS, "xla_dump_to": str(tmp_path)}, "h100-8")
+    peak = dumped_peak(str(tmp_path))
+    temp = step.memory["temp"]
+    # the allocator packs the live buffers into the temporary allocation with little slack
+    assert 0.9 * temp <= peak.bytes <= temp, (peak.bytes, temp)
+    assert any("Transformer" in b.op_name for b in peak.buffers), peak.buffers
+
+
+def test_a_dump_without_the_proto_names_the_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        dumped_peak(str(tmp_path))
