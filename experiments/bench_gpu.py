@@ -135,7 +135,7 @@ def run_case(case: Case, tiny: bool, warmup: int, rounds: int, steps: int) -> di
     mem = compiled.memory_analysis()  # as parallax.analysis.audit reads it: peak = arg + out - alias + temp
     xla_peak = None if mem is None else int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                                             - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
-    platform = "cpu" if device.platform == "cpu" else "accelerator"
+    platform = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}.get(device.platform, "accelerator")  # as audit picks it
     # the attention the step runs (cuDNN on a GPU): the XLA path's [N, T, T] scores are not there
     kernel = attention_kernel(cfg, device.platform)
     predicted = float(memory_parts(Workload.of(cfg), Grid.of(cfg, dict(mesh.shape)), platform, kernel)["total"])

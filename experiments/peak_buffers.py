@@ -62,7 +62,8 @@ def main() -> None:
         step = compile_step(cfg, {**DUMP_OPTIONS, "xla_dump_to": d}, name)
         p = dumped_peak(d)
     m = step.memory
-    parts = memory_parts(Workload.of(cfg), Grid.of(cfg, step.mesh_shape), "accelerator", attention=step.attention)
+    platform = "gpu" if step.platform in ("gpu", "cuda") else "accelerator"  # as audit.audit picks it
+    parts = memory_parts(Workload.of(cfg), Grid.of(cfg, step.mesh_shape), platform, attention=step.attention)
     print(f"{' '.join([args.row, *args.set])}: compiled for {name}, not run (compile {step.compile_s:.0f} s)")
     print(f"memory_analysis: arguments {m['argument'] / GIB:.3f} GiB, temporaries {m['temp'] / GIB:.3f} GiB; "
           f"heap trace peak {p.bytes / GIB:.3f} GiB at {p.instruction} ({p.computation})")

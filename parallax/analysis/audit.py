@@ -245,7 +245,9 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
     # a fused kernel keeps no [B, N, T, T] scores and skips the causal half.
     kernels = attention_kernels(step.hlo)
     attention = kernels["kernel"]  # 'xla', or the fused kernel by name ('cudnn' keeps a packed-document mask)
-    parts = {k: float(v) for k, v in memory_parts(w, g, platform, attention=attention).items()}
+    # XLA:GPU's memory terms where the compiler is a GPU's (cost.GPU_*); the TPU keeps the accelerator fit
+    memory_platform = "gpu" if step.platform in ("gpu", "cuda", "rocm") else platform
+    parts = {k: float(v) for k, v in memory_parts(w, g, memory_platform, attention=attention).items()}
     n = math.prod(step.mesh_shape.values())
     hw = {k: float(v) for k, v in hardware_flops_per_device(w, g, attention=attention).items()}
     # A fused kernel's matmuls are inside its custom calls, where dot_flops cannot see them.

@@ -42,6 +42,15 @@ MOE_SLOT_D, MOE_SLOT_F, MOE_ROUTER, MOE_WORKING = 0.64, 5.9, 17.0, 1.5
 # (memory_parts: the larger counts). bfloat16 activations stay bfloat16.
 ACCEL_WORKING = 1.3
 ACCEL_LOGITS = 0.5
+# XLA:GPU (platform='gpu': what `parallax audit` passes for a GPU target; the planner still says
+# 'accelerator'), read off the heap trace at the compiled peak (analysis/heap.py; BUILD_NOTES.md
+# "What the compiled peak holds"). A block's backward keeps, per token: four [., D] buffers in
+# the compute dtype (the norm outputs and their gradients, full T even under sequence
+# parallelism, where they are the gathered ones), six F/t-sized ones (gate/up, their gradient,
+# the down-projection's input gradient), q/k/v/out and the fused kernel's statistics; an MoE FFN
+# its un-rematted residuals once. FP8 keeps the layer weights converted once per step, about
+# 3 bytes per layer parameter.
+GPU_NORM_BUFFERS, GPU_FFN_BUFFERS, GPU_MOE_WORKING, GPU_FP8_WEIGHT_BYTES = 4, 6, 1.0, 3
 
 
 @dataclass(frozen=True)
@@ -262,6 +271,10 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     of train_step.accumulate laid out as the parameters (an unreduced [n, ...] carry over the
     batch shards holds the same bytes per device), and the whole step's batch.
 
+    `platform`: 'cpu' (XLA:CPU's fit), 'gpu' (XLA:GPU's terms read off its heap traces, cost.GPU_*:
+    what `parallax audit` uses for a GPU target), 'accelerator' (the fit over v5p and H100 the
+    planner uses for every device, and the audit for a TPU).
+
     `attention`: 'xla' is what parallax compiles today (jax.nn.dot_product_attention's XLA path
     keeps the [N, T, T] scores, their exponent and the probabilities); 'fused' (or the kernel's
     name, 'cudnn', 'splash') a flash-style kernel that keeps one float32 log-sum-exp per head and
@@ -363,11 +376,24 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     moe_work = s.moe * moe_none * ((MOE_WORKING if s.cpu else ACCEL_WORKING) - (CPU_WORKING if s.cpu else ACCEL_WORKING))
     work = (CPU_WORKING if s.cpu else ACCEL_WORKING) * np.where(s.f1b, F1B_WORKING, 1.0) * work_tok * none
     work = work + np.where(s.f1b, F1B_WORKING, 1.0) * work_tok * moe_work
+    # XLA:GPU's own terms where its traces were read: cuDNN's attention, not the table schedules
+    # (Llama-3-8B on h100-64 with XLA's blockwise attention: the accelerator fit -1%, these -11%)
+    gpu = (platform == "gpu") & ~s.f1b & (attention != "xla")
+    if platform == "gpu":
+        gpu_unit = (s.unit * (GPU_NORM_BUFFERS * D * c + (2 * N + 2 * K) * H / t * c + scores)
+                    + dense * GPU_FFN_BUFFERS * F / t * c + s.moe * GPU_MOE_WORKING * moe_none)
+        # a pipeline tick's backward walks its chunk one unit at a time (the flagship's h100-64 trace:
+        # one BlockGroup's buffers live, not the chunk's)
+        gpu_tok = np.where(s.piped, (1 + sliced) * tok_m, work_tok)
+        work = np.where(gpu, gpu_tok * gpu_unit, work)
     logits_k = CPU_LOGITS if s.cpu else ACCEL_LOGITS
     # The fused loss head (model/vocab.py) holds one chunk of T of the whole shard's rows (GPipe,
     # plain) or of one microbatch's (1F1B); the embedding is a gather (no [B, T, V] input).
     head_tok = np.where(s.f1b, tok_m, s.tok) / s.loss_chunks
     logits = logits_k * head_tok * vocab_t * 4
+    # XLA:GPU: the head kernel's compute-dtype copy is live beside the chunk
+    head_kernel = s.embed_t if w.model.tie_embeddings else s.head_t
+    logits = logits + np.where(gpu, c * head_kernel, 0) if platform == "gpu" else logits
     if s.cpu and w.model.dtype != "float32":
         # XLA:CPU, bfloat16: the head's logits gradient gets a float32 copy for its weight-gradient
         # dot (layers.weight_grad_dot's upcast: it cannot run bf16 x bf16 -> f32), and the
@@ -402,6 +428,14 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # at 2 rows x T 2,048 against this term's 24 MiB; remat none +23.7.
     mask_rows = np.where(s.piped, s.rows / s.M, s.rows)
     mask = (c + 1) * mask_rows * T * T if (w.packed and attention == "cudnn") else 0.0 * params
+    if platform == "gpu":
+        # the embedding's float32 gradient (a scatter-add after the blocks' backward) is not live at
+        # the peak; unpipelined ZeRO-3 holds the head kernel's float32 gradient whole before its
+        # reduce-scatter; FP8 the layer weights converted once per step
+        untied = not w.model.tie_embeddings
+        grads = grads - np.where(gpu & untied, 4 * s.embed_t / np.where(s.zero == 3, dshard, 1), 0)
+        grads = grads + np.where(gpu & ~s.piped & (s.zero == 3), 4 * s.head_t * (1 - 1 / dshard), 0)
+        gathered = gathered + np.where(gpu & w.fp8, GPU_FP8_WEIGHT_BYTES * s.Ldev * s.layer_t, 0)
     parts = {"params": params, "optimizer": opt, "gradients": grads, "activations": activations,
              "working": work, "logits": logits, "gathered": gathered, "batch": batch * np.ones_like(params),
              "document_mask": mask * np.ones_like(params)}
