@@ -113,7 +113,7 @@ def run_case(case: Case, tiny: bool, warmup: int, rounds: int, steps: int) -> di
     # One HLO parser and one single-device setup (random tokens) for both GPU scripts.
     from bench_fp8 import MIN_FP8_GEMMS, _setup, fp8_gemm_report
 
-    from parallax.analysis.cost import Grid, Workload, memory_parts
+    from parallax.analysis.cost import Grid, Workload, memory_parts, memory_platform
     from parallax.parallel.mesh import available_devices
     from parallax.parallelism import attention_kernel
     from parallax.train.metrics import mfu, peak_flops, tflops_per_device
@@ -135,7 +135,7 @@ def run_case(case: Case, tiny: bool, warmup: int, rounds: int, steps: int) -> di
     mem = compiled.memory_analysis()  # as parallax.analysis.audit reads it: peak = arg + out - alias + temp
     xla_peak = None if mem is None else int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                                             - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
-    platform = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}.get(device.platform, "accelerator")  # as audit picks it
+    platform = memory_platform(device.platform)  # as the audit picks it
     # the attention the step runs (cuDNN on a GPU): the XLA path's [N, T, T] scores are not there
     kernel = attention_kernel(cfg, device.platform)
     predicted = float(memory_parts(Workload.of(cfg), Grid.of(cfg, dict(mesh.shape)), platform, kernel)["total"])

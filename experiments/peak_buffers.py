@@ -53,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from parallax.analysis.audit import compile_step
-    from parallax.analysis.cost import Grid, Workload, memory_parts
+    from parallax.analysis.cost import Grid, Workload, memory_parts, memory_platform
     from parallax.analysis.heap import DUMP_OPTIONS, dumped_peak
 
     cfg = vary({**targets.ROWS, **targets.CALIBRATION}[args.row], args.set)
@@ -62,8 +62,8 @@ def main() -> None:
         step = compile_step(cfg, {**DUMP_OPTIONS, "xla_dump_to": d}, name)
         p = dumped_peak(d)
     m = step.memory
-    platform = "gpu" if step.platform in ("gpu", "cuda") else "accelerator"  # as audit.audit picks it
-    parts = memory_parts(Workload.of(cfg), Grid.of(cfg, step.mesh_shape), platform, attention=step.attention)
+    parts = memory_parts(Workload.of(cfg), Grid.of(cfg, step.mesh_shape), memory_platform(step.platform),
+                         attention=step.attention)
     print(f"{' '.join([args.row, *args.set])}: compiled for {name}, not run (compile {step.compile_s:.0f} s)")
     print(f"memory_analysis: arguments {m['argument'] / GIB:.3f} GiB, temporaries {m['temp'] / GIB:.3f} GiB; "
           f"heap trace peak {p.bytes / GIB:.3f} GiB at {p.instruction} ({p.computation})")

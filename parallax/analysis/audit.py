@@ -231,7 +231,8 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
     """The whole audit as plain data (what `--json` prints). `target`: compile for a named
     compile-only target ('v5e-8': parallel/targets.py) with its own compiler, no device needed."""
     from parallax.analysis.collectives import collective_terms
-    from parallax.analysis.cost import Grid, Workload, hardware_flops_per_device, memory_parts, model_flops_per_step
+    from parallax.analysis.cost import (Grid, Workload, hardware_flops_per_device, memory_parts, memory_platform,
+                                        model_flops_per_step)
 
     step = compile_step(cfg, compiler_options, target)
     w, g = Workload.of(cfg), Grid.of(cfg, step.mesh_shape)
@@ -246,8 +247,7 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
     kernels = attention_kernels(step.hlo)
     attention = kernels["kernel"]  # 'xla', or the fused kernel by name ('cudnn' keeps a packed-document mask)
     # XLA:GPU's memory terms where the compiler is a GPU's (cost.GPU_*); the TPU keeps the accelerator fit
-    memory_platform = "gpu" if step.platform in ("gpu", "cuda", "rocm") else platform
-    parts = {k: float(v) for k, v in memory_parts(w, g, memory_platform, attention=attention).items()}
+    parts = {k: float(v) for k, v in memory_parts(w, g, memory_platform(step.platform), attention=attention).items()}
     n = math.prod(step.mesh_shape.values())
     hw = {k: float(v) for k, v in hardware_flops_per_device(w, g, attention=attention).items()}
     # A fused kernel's matmuls are inside its custom calls, where dot_flops cannot see them.

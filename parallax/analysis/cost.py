@@ -264,6 +264,12 @@ def optimizer_flops_per_device(w: Workload, g: Grid) -> Any:
     return s.units_dev * unit
 
 
+def memory_platform(jax_platform: str) -> str:
+    """The `platform` memory_parts takes for a compiled program's JAX platform: XLA:CPU's fit, XLA:GPU's
+    terms (cost.GPU_*), or the accelerator fit (a TPU)."""
+    return {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(jax_platform, "accelerator")
+
+
 def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla") -> dict[str, Any]:
     """Bytes per device at the peak (the start of the backward pass), by part.
 
@@ -379,13 +385,12 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # XLA:GPU's own terms where its traces were read: cuDNN's attention, not the table schedules
     # (Llama-3-8B on h100-64 with XLA's blockwise attention: the accelerator fit -1%, these -11%)
     gpu = (platform == "gpu") & ~s.f1b & (attention != "xla")
-    if platform == "gpu":
-        gpu_unit = (s.unit * (GPU_NORM_BUFFERS * D * c + (2 * N + 2 * K) * H / t * c + scores)
-                    + dense * GPU_FFN_BUFFERS * F / t * c + s.moe * GPU_MOE_WORKING * moe_none)
-        # a pipeline tick's backward walks its chunk one unit at a time (the flagship's h100-64 trace:
-        # one BlockGroup's buffers live, not the chunk's)
-        gpu_tok = np.where(s.piped, (1 + sliced) * tok_m, work_tok)
-        work = np.where(gpu, gpu_tok * gpu_unit, work)
+    gpu_unit = (s.unit * (GPU_NORM_BUFFERS * D * c + (2 * N + 2 * K) * H / t * c + scores)
+                + dense * GPU_FFN_BUFFERS * F / t * c + s.moe * GPU_MOE_WORKING * moe_none)
+    # a pipeline tick's backward walks its chunk one unit at a time (the flagship's h100-64 trace:
+    # one BlockGroup's buffers live, not the chunk's)
+    gpu_tok = np.where(s.piped, (1 + sliced) * tok_m, work_tok)
+    work = np.where(gpu, gpu_tok * gpu_unit, work)
     logits_k = CPU_LOGITS if s.cpu else ACCEL_LOGITS
     # The fused loss head (model/vocab.py) holds one chunk of T of the whole shard's rows (GPipe,
     # plain) or of one microbatch's (1F1B); the embedding is a gather (no [B, T, V] input).
@@ -393,7 +398,7 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     logits = logits_k * head_tok * vocab_t * 4
     # XLA:GPU: the head kernel's compute-dtype copy is live beside the chunk
     head_kernel = s.embed_t if w.model.tie_embeddings else s.head_t
-    logits = logits + np.where(gpu, c * head_kernel, 0) if platform == "gpu" else logits
+    logits = logits + np.where(gpu, c * head_kernel, 0)
     if s.cpu and w.model.dtype != "float32":
         # XLA:CPU, bfloat16: the head's logits gradient gets a float32 copy for its weight-gradient
         # dot (layers.weight_grad_dot's upcast: it cannot run bf16 x bf16 -> f32), and the
@@ -428,14 +433,12 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # at 2 rows x T 2,048 against this term's 24 MiB; remat none +23.7.
     mask_rows = np.where(s.piped, s.rows / s.M, s.rows)
     mask = (c + 1) * mask_rows * T * T if (w.packed and attention == "cudnn") else 0.0 * params
-    if platform == "gpu":
-        # the embedding's float32 gradient (a scatter-add after the blocks' backward) is not live at
-        # the peak; unpipelined ZeRO-3 holds the head kernel's float32 gradient whole before its
-        # reduce-scatter; FP8 the layer weights converted once per step
-        untied = not w.model.tie_embeddings
-        grads = grads - np.where(gpu & untied, 4 * s.embed_t / np.where(s.zero == 3, dshard, 1), 0)
-        grads = grads + np.where(gpu & ~s.piped & (s.zero == 3), 4 * s.head_t * (1 - 1 / dshard), 0)
-        gathered = gathered + np.where(gpu & w.fp8, GPU_FP8_WEIGHT_BYTES * s.Ldev * s.layer_t, 0)
+    # XLA:GPU: the embedding's float32 gradient (a scatter-add after the blocks' backward) is not
+    # live at the peak; unpipelined ZeRO-3 holds the head kernel's float32 gradient whole before its
+    # reduce-scatter; FP8 the layer weights converted once per step
+    grads = grads - np.where(gpu & (not w.model.tie_embeddings), 4 * s.embed_t / np.where(s.zero == 3, dshard, 1), 0)
+    grads = grads + np.where(gpu & ~s.piped & (s.zero == 3), 4 * s.head_t * (1 - 1 / dshard), 0)
+    gathered = gathered + np.where(gpu & w.fp8, GPU_FP8_WEIGHT_BYTES * s.Ldev * s.layer_t, 0)
     parts = {"params": params, "optimizer": opt, "gradients": grads, "activations": activations,
              "working": work, "logits": logits, "gathered": gathered, "batch": batch * np.ones_like(params),
              "document_mask": mask * np.ones_like(params)}

@@ -119,7 +119,7 @@ def peak(hlo_proto: bytes) -> HeapPeak:
             bid = _first(fs, 1, 0)
             size[bid] = _first(fs, 2, 0)
             defined[bid] = names.get(_first(_fields(_first(fs, 3, b"")), 4), ("?", ""))
-    best = HeapPeak(0, "", "", ())
+    best, at, held = 0, {}, {}  # the largest total, its event, the bytes live there per canonical buffer
     for number, trace in assignment:
         if number != 4:
             continue
@@ -145,14 +145,13 @@ def peak(hlo_proto: bytes) -> HeapPeak:
                 if users[c] <= 0:
                     total -= live.pop(c, 0)
                     users.pop(c, None)
-            if total > best.bytes:
-                held: dict[tuple[str, str], int] = defaultdict(int)
-                for c, nbytes in live.items():
-                    held[defined.get(c, ("?", ""))] += nbytes
-                buffers = tuple(sorted((LiveBuffer(i, o, b) for (i, o), b in held.items() if b),
-                                       key=lambda x: -x.bytes))
-                best = HeapPeak(total, _first(e, 4, b"").decode(), _first(e, 3, b"").decode(), buffers)
-    return best
+            if total > best:
+                best, at, held = total, e, dict(live)
+    per_instruction: dict[tuple[str, str], int] = defaultdict(int)
+    for c, nbytes in held.items():
+        per_instruction[defined.get(c, ("?", ""))] += nbytes
+    buffers = tuple(sorted((LiveBuffer(i, o, b) for (i, o), b in per_instruction.items() if b), key=lambda x: -x.bytes))
+    return HeapPeak(best, _first(at, 4, b"").decode(), _first(at, 3, b"").decode(), buffers)
 
 
 def dumped_peak(directory: str) -> HeapPeak:
