@@ -15,7 +15,8 @@ GPipe and circular send two half-microbatches per tick: the first behind the sec
 compute, the second at the next tick's start, behind that tick's first half
 (pipeline.run_pipeline). 1F1B sends the tick's activation behind its B and the last tick's
 cotangent at the tick's start, behind its F (pipeline_1f1b). Interleaved 1F1B runs the same tick
-round a ring; a ZB-H1 tick runs one op, so each of its two sends follows that op.
+round a ring; circular's and its rings go as their chain and closing pair (pipeline.send_along).
+A ZB-H1 tick runs one op, so each of its two sends follows that op.
 """
 
 from __future__ import annotations

@@ -53,6 +53,10 @@ LAYOUTS = {
     "f1b_zero1": Config(name="f1b", mesh=MeshConfig(data=2, tensor=2, pipe=2), model=MODEL,
                         parallel=ParallelConfig(microbatches=4, schedule="1f1b", zero=1),
                         train=TrainConfig(global_batch=16, seq_len=64)),
+    # interleaved 1F1B: v = 2 chunks per stage, the sends round a ring (4 layers: one per chunk)
+    "interleaved": Config(name="il", mesh=MeshConfig(data=2, tensor=2, pipe=2), model=dataclasses.replace(MODEL, n_layers=4),
+                          parallel=ParallelConfig(microbatches=4, schedule="interleaved_1f1b", repeats=2),
+                          train=TrainConfig(global_batch=16, seq_len=64)),
     # ZeRO-3 inside pipeline stages: each stage gathers its weights over data once per step
     "gpipe_zero3": Config(name="gpz3", mesh=MeshConfig(data=2, tensor=2, pipe=2), model=MODEL,
                           parallel=ParallelConfig(microbatches=4, zero=3), train=TrainConfig(global_batch=16, seq_len=64)),
@@ -240,20 +244,23 @@ def test_gpu_gpipe_sends_overlap_a_half_microbatch_in_each_loop(cuda_plugin):
     assert sum(c.bytes_per_step for c in hidden) >= 0.5 * sum(c.bytes_per_step for c in sends)
 
 
-def test_gpu_1f1b_sends_run_behind_stage_compute(cuda_plugin):
+@pytest.mark.parametrize("layout, permutes", [("f1b_zero1", 2), ("interleaved", 4)])
+def test_gpu_table_schedule_sends_run_behind_stage_compute(cuda_plugin, layout, permutes):
     """The run's flags (distributed.GPU_FLAGS) make XLA:GPU write each tick's permutes as
     send/recv pairs; with one chunk the sends go along a chain (pipeline_1f1b), the tick's
     activation send is issued before its B pass and waited for after it, and the input cotangent
     is sent at the start of the next tick, behind its F: all of the send bytes hidden. Before
     the flags, one collective-permute issued after the tick's last GEMM (0%); with a ring, the
     closing pair's send was exposed (25%); with the cotangent sent at its own tick's end, after
-    all of the tick's compute, half (50%)."""
-    hlo = compile_step(LAYOUTS["f1b_zero1"], FAST_COMPILE, "h100-8").hlo
+    all of the tick's compute, half (50%). Interleaved 1F1B sends round a ring, as its chain and
+    its closing pair (pipeline.send_along): as one cyclic permute, the decomposer's second part
+    waited for the first's send before any compute, 25% of the bytes hidden at d 256."""
+    hlo = compile_step(LAYOUTS[layout], FAST_COMPILE, "h100-8").hlo
     assert " send(" in hlo and "collective-permute-start" not in hlo
     table = placements(hlo)
     sends = [c for c in collectives(hlo, {"data": 2, "tensor": 2, "pipe": 2, "expert": 1})
              if c.kind == "collective-permute"]
-    assert len(sends) == 2, sends
+    assert len(sends) == permutes, sends
     assert all(placement_of(c, table).overlapped for c in sends), [(c.name, placement_of(c, table)) for c in sends]
 
 

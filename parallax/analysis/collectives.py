@@ -257,9 +257,11 @@ def pipe_terms(s: Dims) -> list[Term]:
     Overlap ("tick": hidden behind the tick's compute in the planner's time): GPipe's first
     half-microbatch's send runs behind the second half's compute and the second half's behind the
     next tick's first half (pipeline.run_pipeline); 1F1B's forward send behind the tick's backward,
-    its cotangent send, at the next tick's start, behind its F (pipeline_1f1b). Compiled for
-    h100-8 and v5e-8 (experiments/pipeline_overlap.py) with one chunk all of 1F1B's send bytes
-    overlap; interleaved 1F1B's ring, a quarter on h100-8: its cotangent send is counted exposed.
+    its cotangent send, at the next tick's start, behind its F (pipeline_1f1b); the rings of
+    circular and interleaved 1F1B as their chain and closing pair (pipeline.send_along). Compiled
+    for h100-8 and v5e-8 (experiments/pipeline_overlap.py), all of the send bytes of GPipe, 1F1B,
+    interleaved 1F1B and ZB-H1 overlap on h100-8, and circular's 75% (XLA:GPU issues the closing
+    pair of its tail send after the first half's compute; all of it at 1B, M 4, on h100-16).
     """
     out = _Terms(s)
     on_p, f1b = s.p > 1, s.f1b
@@ -270,11 +272,9 @@ def pipe_terms(s: Dims) -> list[Term]:
     out.add(("pipe",), "collective-permute", "stage activations forward", send * chain, sends, on_p, "tick", None, 2)
     out.add(("pipe",), "collective-permute", "stage cotangents backward", send * chain, sends, on_p & ~f1b, "tick",
             None, 2)
-    # one chunk: sent at the next tick's start, behind its F; interleaved's ring: counted exposed
-    out.add(("pipe",), "collective-permute", "stage cotangents backward (1F1B)", send * chain, sends,
-            on_p & f1b & (s.r == 1), "tick", None, 2)
-    out.add(("pipe",), "collective-permute", "stage cotangents backward (interleaved 1F1B)", send, sends,
-            on_p & f1b & (s.r > 1), "exposed", None, 2)
+    # sent at the next tick's start, behind its F
+    out.add(("pipe",), "collective-permute", "stage cotangents backward (table schedules)", send * chain, sends,
+            on_p & f1b, "tick", None, 2)
     out.add(("pipe",), "all-reduce", "stack output / input cotangents (psum)", s.act / s.sp_t, 2, on_p & ~f1b,
             "exposed", None, s.p)
     # (on the 1/data shard, after the reduce-scatter over data; pipeline_tables.reduce_table)

@@ -18,8 +18,9 @@ computation_name=3, instruction_name=4, share_with_canonical_id=5}.
 
 Measured (BUILD_NOTES.md, "What the compiled peak holds"): on XLA:GPU the replayed peak is the
 temporary allocation of `memory_analysis()` within 5% (the rest is the allocator's packing);
-on XLA:TPU `memory_analysis()` reports 0.9-2.0 GiB more temporaries than this trace holds
-(passes after buffer assignment), so the trace explains its composition, not its total.
+on XLA:TPU `memory_analysis()` reports 0.9-2.0 GiB more temporaries than the dumped buffer
+assignment's whole temporary allocation (the trace plus packing; the module after codegen has the
+same instructions), so the trace explains its composition, not its total.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ every table schedule: each tick, stage s reads its row of the schedule's `Table`
 (schedules.py: per (tick, stage) an F op, a B op, a W op or nothing, as (chunk, microbatch) and
 buffer slots) and
 
-  - sends the input gradient its last tick's B made backward (the ring's `ppermute`, sent here,
+  - sends the input gradient its last tick's B made backward (pipeline.send_along, sent here,
     behind this tick's F: nothing reads it before this tick's B) and stores what arrived (last
     tick's activation from stage s-1; the cotangent from stage s+1, before B) in the slot the
     table names: in the ZB-H1 order data may wait ticks before its op runs;
@@ -21,7 +21,7 @@ buffer slots) and
     the input gradient goes straight into the embedding table's gradient (a scatter-add);
   - W (ZB-H1): `jax.vjp` of the chunk w.r.t. its weights from the same input and cotangent,
     deferred to where the table puts it (the weight-gradient accumulation stays float32);
-  - sends its F's output forward round the ring with `ppermute` (the last stage's output of
+  - sends its F's output forward round the ring (pipeline.send_along; the last stage's output of
     chunk c reaches stage 0's chunk c+1), and keeps its B's input gradient for the next tick.
 
 Live activation memory per stage is the table's buffers (1F1B at most 2P-1 stage inputs,
@@ -89,8 +89,8 @@ from parallax.model.transformer import Transformer, moe_stat_shapes
 from parallax.model.logical import entry_axes, keep_axes, spec_axes, vary, varying_axes
 from parallax.parallel.mesh import DATA, PIPE
 from parallax.parallelism import Schedule
-from parallax.parallel.pipeline import (gather_stage_weights, manual_over, stage_fn, stage_placement, to_layer_major,
-                                       to_stages, unit_fn, unit_mask, with_batch_amaxes)
+from parallax.parallel.pipeline import (gather_stage_weights, manual_over, send_along, stage_fn, stage_placement,
+                                       to_layer_major, to_stages, unit_fn, unit_mask, with_batch_amaxes)
 from parallax.parallel.pipeline_tables import as_masters, carried_tables, reduce_table, table_out_spec, to_update
 from parallax.parallel.sharding import BATCH_AXES
 
@@ -337,7 +337,7 @@ def make_scheduled_value_and_grad(
             # The previous tick's input cotangent is sent now, not at that tick's end: nothing
             # reads it before this tick's B, so F runs while it travels (at the tick's end only
             # the embedding's gradient followed it: the send was exposed on XLA:GPU)
-            recv_b = jax.lax.ppermute(unsent_b, PIPE, bwd_ring)
+            recv_b = send_along(unsent_b, bwd_ring)
             # what arrived goes to its slot (or the trash slot): in the interleaved and ZB-H1
             # orders it may be consumed ticks later
             act = _put(act, recv_f, op["recv_f"])
@@ -443,7 +443,7 @@ def make_scheduled_value_and_grad(
                 g_w = _add_at(g_w, c_w, d_w, v)
             g_outer = jax.tree.map(jnp.add, g_outer, d_outer)
             new_head_fp8 = jax.tree.map(jnp.maximum, new_head_fp8, d_head_fp8)
-            sent_f = jax.lax.ppermute(out, PIPE, fwd_ring)
+            sent_f = send_along(out, fwd_ring)
             return (sent_f, dx, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce + value, router + r_value,
                     acc), None
 
