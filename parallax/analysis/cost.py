@@ -315,7 +315,9 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # two norm outputs the column-parallel matmuls keep are the all-gathered, full-T ones.
     sp_t = s.sp_t
     attn_none = D * (c + 2 * 4) / sp_t + 2 * D * c + (2 * N + 2 * K) * H / t * c + scores
-    attn_dots = 3 * D * c / sp_t + (N + 2 * K) * H / t * c  # x, attention and MLP outputs; qkv
+    # x and the attention output (the MLP output feeds only the residual add, whose backward needs
+    # no values: compiled for h100-8, h100-16 and v5p-32, two [B, T, D] stacks per layer); qkv
+    attn_dots = 2 * D * c / sp_t + (N + 2 * K) * H / t * c
     # An MoE FFN per token: its slots (E C / T per token, capacity padding included) each keep
     # D- and F-sized buffers, the router float32 [E]-sized ones; shared experts as a dense MLP.
     moe_none = (s.slots_tok * (MOE_SLOT_D * D + MOE_SLOT_F * s.Fe / t) * c + MOE_ROUTER * s.E * 4
@@ -355,11 +357,14 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     slots = buffer_slots(s.sched, s.p, s.M, s.r)
     # Beside them, the tick's weight gradients: the tables' and the stage's, the whole stage's from
     # one VJP, one unit's under remat full (pipeline_1f1b.backward_by_unit adds each into the
-    # accumulator); and under ZeRO-3 that float32 accumulator of the gathered stage weights
-    # (ZeRO-1's is `gradients`).
+    # accumulator).
     by_unit = s.f1b & ~s.zb & (s.remat == FULL)
     tick_grad = 4 * s.outer_t + 4 * np.where(by_unit, s.unit_t, s.Ldev * s.layer_t)
-    stage_acc = np.where(s.zero == 3, 4 * s.Ldev * s.layer_t, 0)
+    # Pipelined ZeRO-3 accumulates the stage's gradients over the ticks in float32 on the gathered
+    # weights, reduce-scattered once after the loop (ZeRO-1's accumulator is `gradients`): in the
+    # table schedules' tick loop, through the whole step; GPipe's and circular's backward loop
+    # only (in `work` below: Llama-3-405B, circular on h100-16384, holds 12.2 GiB of them there)
+    stage_acc = np.where(s.piped & (s.zero == 3), 4 * s.Ldev * s.layer_t, 0)
     f1b_saved = slots * tok_m * D * c / sp_t + s.Lc * (tok_m * saved_tok + saved_layer) + tick_grad + stage_acc
     activations = np.where(s.f1b, f1b_saved, np.where(s.piped, gpipe_saved, plain_saved))
     # save_attn_mlp: the unit whose backward runs at the peak holds its names in the working set
@@ -390,7 +395,12 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # a pipeline tick's backward walks its chunk one unit at a time (the flagship's h100-64 trace:
     # one BlockGroup's buffers live, not the chunk's)
     gpu_tok = np.where(s.piped, (1 + sliced) * tok_m, work_tok)
-    work = np.where(gpu, gpu_tok * gpu_unit, work)
+    # ... and beside it (the flagship's trace, GPipe on h100-64): the chunk's float32 weight
+    # gradients stacked per layer by the tick's backward loop, the tick's saved inputs read back
+    # from the step's buffer, and the stack outputs' [M, B/M, T, D] cotangent with the loop's copy
+    gpu_tick = 4 * s.Lc * s.layer_t + gpipe_saved / s.ticks + 2 * c * s.tok * D / sp_t
+    work = np.where(gpu, gpu_tok * gpu_unit + np.where(s.piped, gpu_tick, 0), work)
+    work = work + np.where(s.f1b, 0, stage_acc)
     logits_k = CPU_LOGITS if s.cpu else ACCEL_LOGITS
     # The fused loss head (model/vocab.py) holds one chunk of T of the whole shard's rows (GPipe,
     # plain) or of one microbatch's (1F1B); the embedding is a gather (no [B, T, V] input).

@@ -46,7 +46,8 @@ import numpy as np
 from parallax.config import (Config, ConfigError, Fp8Config, ModelConfig, TrainConfig, UserError, apply_overrides,
                              expert_d_ff, load_experiment, stack_length)
 from parallax.analysis.collectives import collective_terms
-from parallax.analysis.cost import Grid, Workload, hardware_flops_per_device, memory_parts, model_flops_per_step
+from parallax.analysis.cost import (Grid, Workload, hardware_flops_per_device, memory_parts, memory_platform,
+                                    model_flops_per_step)
 from parallax.parallelism import (CIRCULAR, GPIPE, INTERLEAVED, LAYOUT_FIELDS, ONE_F_ONE_B, REMATS, SCHEDULES, ZB_H1,
                                   bubble, legal, lockstep_bubble, own_gradients, pipelined)
 from parallax.analysis.presets import PUBLISHED  # noqa: F401 - re-exported: the published runs beside compare_published
@@ -133,7 +134,7 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     """Predicted memory, time parts and MFU of every layout in `g` (arrays)."""
     t, p, d, e = (np.asarray(x) for x in (g.tensor, g.pipe, g.data, g.expert))
     n = t * p * d * e
-    mem = memory_parts(w, g, "accelerator", attention)
+    mem = memory_parts(w, g, memory_platform(dev.platform), attention)
     hw = hardware_flops_per_device(w, g, attention)
     peak = (dev.peak_fp8 or dev.peak_bf16) if fp8 else dev.peak_bf16
     rate = peak * dev.efficiency
@@ -228,7 +229,7 @@ def min_memory(w: Workload, n_devices: int, dev: Device, attention: str) -> floa
     g = candidates(w, n_devices)
     if np.size(g.data) == 0:
         return math.inf
-    return float(np.min(memory_parts(w, g, "accelerator", attention)["total"]))
+    return float(np.min(memory_parts(w, g, memory_platform(dev.platform), attention)["total"]))
 
 
 def smallest_fitting_count(w: Workload, n_devices: int, dev: Device, attention: str, step: int) -> int | None:
@@ -509,8 +510,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.attention == "auto":  # what the program will run on this device type (parallelism.attention_kernel)
         from parallax.parallelism import attention_kernel
 
-        platform = "tpu" if dev.name.startswith("TPU") else "gpu"
-        kernel = attention_kernel(cfg, platform)
+        kernel = attention_kernel(cfg, dev.platform)
         args.attention = kernel  # the cost model reads 'cudnn' and 'splash' as fused kernels
         notes.append(f"attention: {kernel} (model.attention={cfg.model.attention!r} on {dev.name}), planned as "
                      f"{'XLA with materialised scores' if kernel == 'xla' else 'a fused kernel (no [B, N, T, T])'}")

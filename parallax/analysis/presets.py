@@ -27,6 +27,11 @@ class Device:
     per_host: int  # fast-domain size: devices per NVLink host, or the ICI slice of a TPU
     efficiency: float  # calibrated fraction of peak the step's compute reaches (see CALIBRATION)
 
+    @property
+    def platform(self) -> str:
+        """The JAX platform whose compiler builds this device's program ('tpu' or 'gpu')."""
+        return "tpu" if self.name.startswith("TPU") else "gpu"
+
 
 # Peaks reuse metrics.PEAK_FLOPS (dense, no sparsity). Memory and links: vendor datasheets (NVIDIA
 # A100/H100/H200/DGX B200; Google Cloud TPU system-architecture pages). GPU inter-host: one NIC
