@@ -430,7 +430,11 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # before its bits were gathered) and the tables: float32 (GPipe, circular), or in the compute
     # dtype where the table schedules carry them into the tick loop (pipeline_tables.carried_tables)
     stage = np.where(s.fp8, 4 * s.Ldev * s.layer_t, s.Ldev / s.unit * s.unit_stage_gather)
-    gathered = gathered + np.where((s.zero == 3) & s.piped, stage + np.where(s.f1b, s.c, 4) * s.outer_t, 0)
+    # (XLA:GPU, GPipe and circular: only the head's float32 table or its gradient is live at the
+    # peak; the embedding's is used before the loops and its gradient is a scatter-add after them:
+    # 1B GPipe ZeRO-3 on h100-16 and Llama-3-405B on h100-16384, read off their traces)
+    tables = np.where(s.f1b, s.c * s.outer_t, 4 * np.where(gpu, s.head_t, s.outer_t))
+    gathered = gathered + np.where((s.zero == 3) & s.piped, stage + tables, 0)
     # ... and outside a pipeline one unit's full-size expert-weight gradient before and after
     # its all-reduce, plus (remat) the unit's experts gathered again. Dense weights do the same,
     # but the dense calibration (CPU_WORKING) absorbed that part; only the MoE fit needed it.
