@@ -5,8 +5,8 @@ by the audit (collectives with the dtype they send, overlap in the schedule, FP8
 Layouts (the tiny model of test_targets, bf16 compute; one compile per target and layout, about
 3 minutes on 2 cores for both targets): dense data x tensor, ZeRO-3 in bf16 and in f32, GPipe,
 MoE over `expert` (capacity all-to-all; ragged on the GPU), sequence parallelism (and with remat
-full, a chunked loss head and ZeRO-3), 1F1B with ZeRO-1, GPipe and 1F1B with ZeRO-3. FP8 GEMMs are
-test_targets.py's (h100-8). What the claims are and what the compilers said: BUILD_NOTES.md,
+full, a chunked loss head and ZeRO-3), 1F1B with ZeRO-1, interleaved 1F1B (h100-8), GPipe and
+1F1B with ZeRO-3. FP8 GEMMs are test_targets.py's (h100-8). What the claims are and what the compilers said: BUILD_NOTES.md,
 "Overlap, dtypes and FP8 GEMMs read from the real compilers".
 
 Under env CI a missing libtpu or CUDA plugin fails these tests (test_targets' fixtures).
@@ -54,7 +54,8 @@ LAYOUTS = {
                         parallel=ParallelConfig(microbatches=4, schedule="1f1b", zero=1),
                         train=TrainConfig(global_batch=16, seq_len=64)),
     # interleaved 1F1B: v = 2 chunks per stage, the sends round a ring (4 layers: one per chunk)
-    "interleaved": Config(name="il", mesh=MeshConfig(data=2, tensor=2, pipe=2), model=dataclasses.replace(MODEL, n_layers=4),
+    "interleaved": Config(name="il", mesh=MeshConfig(data=2, tensor=2, pipe=2),
+                          model=dataclasses.replace(MODEL, n_layers=4),
                           parallel=ParallelConfig(microbatches=4, schedule="interleaved_1f1b", repeats=2),
                           train=TrainConfig(global_batch=16, seq_len=64)),
     # ZeRO-3 inside pipeline stages: each stage gathers its weights over data once per step
