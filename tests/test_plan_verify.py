@@ -3,8 +3,9 @@ for the target by its own compiler (nothing runs), compiled peak memory and coll
 axis printed beside the planned ones; a layout the compiler says does not fit is dropped.
 
 The real compiles: tests/test_targets.py's tiny model on v5e-8 (libtpu; under CI a missing libtpu
-fails, as there), two layouts, about 10 s each on 2 cores. The dropping is checked with the
-compiler's answer replaced (monkeypatched audit), so it needs no compile.
+fails, as there), two layouts, about 10 s each on 2 cores; and one layout on h100-8 from a new
+process, as the CLI runs. The dropping is checked with the compiler's answer replaced
+(monkeypatched audit), so it needs no compile.
 """
 
 import json
@@ -16,7 +17,7 @@ from parallax.analysis.presets import DEVICES
 from parallax.cli import main
 from parallax.config import Config, MeshConfig, ModelConfig, TrainConfig
 from test_cli import _assert_one_error_line
-from test_targets import EXPERIMENT, libtpu  # noqa: F401 - the fixture: a failure under CI without libtpu
+from test_targets import EXPERIMENT, cuda_plugin, libtpu  # noqa: F401 - fixtures: a failure under CI without them
 
 
 @pytest.fixture
@@ -75,3 +76,20 @@ def test_verify_without_a_target_is_one_line_exit_2(experiment, capsys):
     _assert_one_error_line(capsys.readouterr().err, "--verify 2", "needs --target")
     assert main(["plan", str(experiment), "--target", "v5e-8", "--verify", "0"]) == 2
     _assert_one_error_line(capsys.readouterr().err, "--verify 0", "must be positive")
+
+
+def test_verify_on_a_gpu_target_from_a_fresh_process(cuda_plugin, experiment):  # noqa: F811
+    """The CLI as a user runs it: a new process, no JAX_PLATFORMS. `plan` imports JAX before it
+    compiles (the attention kernel, the presets), so the compile-only GPU devices must be asked for
+    first (targets.cpu_only_jax); before, the plugin was never registered and the verify step died
+    with a traceback ("topology not implemented for cuda")."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
+    done = subprocess.run([sys.executable, "-m", "parallax", "plan", str(experiment), "--target", "h100-8", "--top", "1",
+                           "--verify", "1"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "verified on h100-8 (compiled by its compiler, not run):" in done.stdout, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -496,6 +496,10 @@ def _target_devices(args: argparse.Namespace) -> tuple[int, Device, int | None]:
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    if getattr(args, "target", None) is not None:  # before anything below imports JAX
+        from parallax.parallel.targets import cpu_only_jax
+
+        cpu_only_jax()
     if args.verify is not None and (args.verify <= 0 or getattr(args, "target", None) is None):
         raise UserError(f"--verify {args.verify}: " + ("must be positive" if args.verify <= 0 else
                         "needs --target NAME (the compiler to verify with, e.g. v5e-8, v5p-32)"))

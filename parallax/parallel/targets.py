@@ -274,10 +274,11 @@ def gpu_topology(t: Target) -> str:
     return f"1x{t.devices // per_host}x{per_host}"
 
 
-def _cpu_only_jax() -> None:
+def cpu_only_jax() -> None:
     """Compile-only GPU devices need no GPU backend: unless JAX has started, or a GPU is there, JAX
     runs on the CPU, and the CUDA plugin is not asked to find a GPU (its cuInit failure would be
-    logged on the user's screen)."""
+    logged on the user's screen). Commands that compile for a target call it before they import
+    anything that imports JAX (`parallax plan --verify`)."""
     if "jax" in sys.modules or os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/nvidia[0-9]*"):
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -285,7 +286,7 @@ def _cpu_only_jax() -> None:
 
 
 def _gpu_devices(t: Target) -> list:
-    _cpu_only_jax()
+    cpu_only_jax()
     with _quiet_stderr():  # the plugin's loader logs (no libcudart, no driver) go to fd 2
         from jax.experimental import topologies
 
