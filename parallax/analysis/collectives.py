@@ -167,9 +167,15 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
     # table schedules: every chunk call recomputed (ZB-H1: in B and again in W, whose weight
     # gradients also need the input-gradient chain: the backward's partial sums twice)
     reruns = s.M * s.r * (1 + s.zb)
+    # (remat full with sequence parallelism on the GPU and TPU compilers, the chunk's units run as
+    # a loop of more than 2 trips: the last block's dead partial sum is recomputed too, as a
+    # reduce-scatter: 96 per step at 16 layers compiled for h100-16 where 80 were counted, from 3
+    # layers up; at 2 the loop is unrolled and it is dropped, as XLA:CPU and either compiler
+    # without SP drop it; under save_attn_mlp nothing is recomputed there)
+    dead = np.where(s.sp & (not s.cpu) & (s.Lc / s.unit > 2), 1, 0)
     recompute = np.where(s.f1b, reruns * (2 * s.Lc - (s.Lc == 1)),
                          np.select([s.remat == FULL, s.remat >= SAVE_ATTN_MLP],
-                                   [s.units_run * (2 * s.unit - 1), s.units_run * (s.unit - 1)], 0))
+                                   [s.units_run * (2 * s.unit - 1 + dead), s.units_run * (s.unit - 1)], 0))
     for what, n in (("block forward (2 per layer)", per_unit * s.busy_units),
                     ("block backward (2 per layer)", per_unit * s.busy_units * (1 + s.zb)),
                     ("block recomputation", recompute)):
