@@ -42,8 +42,8 @@ MOE_SLOT_D, MOE_SLOT_F, MOE_ROUTER, MOE_WORKING = 0.64, 5.9, 17.0, 1.5
 # (memory_parts: the larger counts). bfloat16 activations stay bfloat16.
 ACCEL_WORKING = 1.3
 ACCEL_LOGITS = 0.5
-# XLA:GPU (platform='gpu': what `parallax audit` passes for a GPU target; the planner still says
-# 'accelerator'), read off the heap trace at the compiled peak (analysis/heap.py; BUILD_NOTES.md
+# XLA:GPU (platform='gpu': what `parallax audit` passes for a GPU target and `parallax plan` for a
+# GPU device), read off the heap trace at the compiled peak (analysis/heap.py; BUILD_NOTES.md
 # "What the compiled peak holds"). A block's backward keeps, per token: four [., D] buffers in
 # the compute dtype (the norm outputs and their gradients, full T even under sequence
 # parallelism, where they are the gathered ones), six F/t-sized ones (gate/up, their gradient,
@@ -278,8 +278,8 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     batch shards holds the same bytes per device), and the whole step's batch.
 
     `platform`: 'cpu' (XLA:CPU's fit), 'gpu' (XLA:GPU's terms read off its heap traces, cost.GPU_*:
-    what `parallax audit` uses for a GPU target), 'accelerator' (the fit over v5p and H100 the
-    planner uses for every device, and the audit for a TPU).
+    what `parallax audit` uses for a GPU target and `parallax plan` for a GPU device), 'accelerator'
+    (the fit over v5p and H100 that both use for a TPU).
 
     `attention`: 'xla' is what parallax compiles today (jax.nn.dot_product_attention's XLA path
     keeps the [N, T, T] scores, their exponent and the probabilities); 'fused' (or the kernel's
