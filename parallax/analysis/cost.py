@@ -355,11 +355,12 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     gpipe_saved = s.ticks * (s.Lc * (tok_m * saved_tok + saved_layer) + chunk_slices)
     # Table schedules: the tick loop's input and cotangent buffers (schedules.buffer_slots)
     slots = buffer_slots(s.sched, s.p, s.M, s.r)
-    # Beside them, the tick's weight gradients: the tables' and the stage's, the whole stage's from
-    # one VJP, one unit's under remat full (pipeline_1f1b.backward_by_unit adds each into the
+    # Beside them, the tick's weight gradients: the tables' and its chunk's, the whole chunk's from
+    # one VJP (interleaved: 1/v of the stage's; Llama-2-70B at v 5 on h100-64 holds no stage-sized
+    # copy), one unit's under remat full (pipeline_1f1b.backward_by_unit adds each into the
     # accumulator).
     by_unit = s.f1b & ~s.zb & (s.remat == FULL)
-    tick_grad = 4 * s.outer_t + 4 * np.where(by_unit, s.unit_t, s.Ldev * s.layer_t)
+    tick_grad = 4 * s.outer_t + 4 * np.where(by_unit, s.unit_t, s.Lc * s.layer_t)
     # Pipelined ZeRO-3 accumulates the stage's gradients over the ticks in float32 on the gathered
     # weights, reduce-scattered once after the loop (ZeRO-1's accumulator is `gradients`): in the
     # table schedules' tick loop, through the whole step; GPipe's and circular's backward loop
