@@ -24,16 +24,17 @@ batch is m * 2 * rows.
     `compiled.memory_analysis()` read: temp (scratch: activations saved for the backward, loop
     buffers, ...), argument, output and alias bytes. These are for the per-device SPMD program,
     i.e. per device. Compiled: gpipe (remat none), gpipe (remat full), circular (repeats 2, remat
-    none), 1f1b, interleaved_1f1b (v = 2) and zb_h1 (remat none). Reported: temp 1f1b, interleaved
-    and zb_h1 over gpipe (target <= 0.5 each), zb_h1 over 1f1b (target <= 1.1), and temp 1f1b /
-    gpipe with full remat (the fairer rival: 1F1B recomputes each stage's forward in its backward).
+    none), 1f1b, interleaved_1f1b (v = 2) and zb_h1 (remat none: each keeps its F's residuals
+    until B, or W: schedules.residual_slots). Reported: temp 1f1b, interleaved and zb_h1 over gpipe
+    (target <= 0.5 each), zb_h1 over 1f1b (target <= 1.1), and temp 1f1b / gpipe with full remat.
 
 [3] Tables (no compile): ticks and bubble of every schedule's table at p = 4, m in the timed ms and
     8p, against the formula; the table schedules also with their ticks in lockstep under the op
     costs measured in [4] (ZB-H1's table assumes F:B:W = 1:1:1, its compiled ops are not).
 
 [4] Op costs: XLA cost_analysis flops of one stage chunk's F, 1F1B's B, ZB-H1's B and W (jitted on
-    one device, compiled, not run); ZB-H1's work per microbatch over 1F1B's.
+    one device, compiled, not run), from F's residuals and recomputing the chunk; ZB-H1's work per
+    microbatch over 1F1B's, and 1F1B's from F's residuals over recomputing.
     Memory figures do not depend on machine load.
 
 [2] Bubble against m. For gpipe, circular (repeats 2) and 1f1b at p = 4 and a fixed microbatch
@@ -54,8 +55,9 @@ batch is m * 2 * rows.
     What is measured is therefore the fill/drain cost in *executed work*, not parallel idle
     time as on real accelerators. GPipe and circular compute masked (thrown-away) work in their
     bubble ticks, so their executed work follows the formula; 1F1B skips idle halves of a tick
-    with `lax.cond`, so on CPU its bubble comes out near zero (what remains is per-step fixed
-    cost: the optimizer update, dispatch, and the conditionals and ring sends of empty ticks),
+    with `lax.cond`, so on CPU what its fit calls a bubble is only per-step fixed cost (the
+    optimizer update, dispatch, the conditionals, ring sends and buffer writes of empty ticks:
+    near zero when B recomputed the chunk, 0.14-0.39 since F keeps its residuals, 2026-12-07),
     whereas on real devices its bubble is the formula's. The fixed cost c also includes the
     optimizer update and per-step dispatch for every schedule, which pushes every measured bubble
     up a little. Timing on a loaded machine is noisy; the memory figures are not.
@@ -126,6 +128,7 @@ MEMORY_CASES = (
     Case("circular_r2", "circular", repeats=2),
     Case("circular_r2_remat_full", "circular", remat="full", repeats=2),
     Case("1f1b", "1f1b"),
+    Case("1f1b_remat_full", "1f1b", remat="full"),  # B recomputes the chunk: the memory-first 1F1B
     Case("interleaved_r2", "interleaved_1f1b", repeats=2),
     Case("zb_h1", "zb_h1"),
 )
@@ -193,7 +196,7 @@ def verdict(ratio: float, target: float) -> str:
 def bench_memory(tiny: bool, rows: int, mesh) -> dict:
     out = {}
     for case in MEMORY_CASES:
-        if tiny and case.label == "circular_r2_remat_full":  # a smoke run: one circular case is enough
+        if tiny and case.label in ("circular_r2_remat_full", "1f1b_remat_full"):  # a smoke run
             continue
         cfg = make_config(tiny, case, MEMORY_M, rows)
         _, compiled, seconds = compile_step(cfg)
@@ -345,9 +348,11 @@ def bench_tables(ms: list[int], costs: dict[str, float] | None) -> dict:
 
 def bench_op_costs(tiny: bool) -> dict:
     """XLA's flop count (cost_analysis, one device) of the ops a stage chunk runs per microbatch at
-    m = 8p: F (the forward), 1F1B's B (recompute + input and weight gradients), ZB-H1's B
-    (recompute + input gradient) and W (recompute + the weight gradients, which need the
-    input-gradient chain again). Compiled, not run."""
+    m = 8p: F (the forward, keeping its VJP's residuals), and from F's residuals (the table
+    schedules under remat none: parallelism.keeps_residuals) 1F1B's B (input and weight
+    gradients), ZB-H1's B (the input gradient) and W (the weight gradients, which need the
+    input-gradient chain again); then the same three recomputing the chunk from its input first
+    (`*_recompute`: what the table schedules run under remat full). Compiled, not run."""
     cfg = make_config(tiny, Case("zb_h1", "zb_h1"), MEMORY_M, 1)
     built = build(cfg)
     layout = built.layout
@@ -371,11 +376,23 @@ def bench_op_costs(tiny: bool) -> dict:
         y, back = jax.vjp(lambda ww: fwd(ww, h), w)
         return back(y)
 
-    flops = {}
-    for name, fn in (("F", fwd), ("B", vjp_all), ("B_split", vjp_input), ("W", vjp_weights)):
-        cost = jax.jit(fn).lower(chunk, x).compile().cost_analysis()
+    # From F's residuals: the VJP function's leaves are the arguments (jax.vjp's Partial)
+    kept = jax.eval_shape(lambda w, h: jax.vjp(fwd, w, h)[1], chunk, x)
+    leaves, tree = jax.tree.flatten(kept)
+
+    def kept_vjp(pick):
+        return lambda res, ct: pick(jax.tree.unflatten(tree, res)(ct))
+
+    def cost_of(fn, *args):
+        cost = jax.jit(fn).lower(*args).compile().cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        flops[name] = float(cost.get("flops", 0.0)) if cost else 0.0
+        return float(cost.get("flops", 0.0)) if cost else 0.0
+
+    flops = {"F": cost_of(lambda w, h: jax.vjp(fwd, w, h), chunk, x)}
+    for name, pick in (("B", lambda g: g), ("B_split", lambda g: g[1]), ("W", lambda g: g[0])):
+        flops[name] = cost_of(kept_vjp(pick), leaves, x)
+    for name, fn in (("B_recompute", vjp_all), ("B_split_recompute", vjp_input), ("W_recompute", vjp_weights)):
+        flops[name] = cost_of(fn, chunk, x)
     return flops
 
 
@@ -391,10 +408,12 @@ def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str, tables: 
     from matplotlib.lines import Line2D
 
     colors = {"gpipe": "tab:blue", "circular_r2": "tab:green", "1f1b": "tab:red", "gpipe_remat_full": "tab:purple",
-              "circular_r2_remat_full": "tab:olive", "interleaved_r2": "tab:orange", "zb_h1": "tab:brown"}
+              "circular_r2_remat_full": "tab:olive", "interleaved_r2": "tab:orange", "zb_h1": "tab:brown",
+              "1f1b_remat_full": "tab:pink"}
     styles = {"gpipe": "-", "circular_r2": "-.", "1f1b": "--"}
     names = {"gpipe": "GPipe", "circular_r2": "circular (r=2)", "1f1b": "1F1B", "gpipe_remat_full": "GPipe, remat full",
              "circular_r2_remat_full": "circular (r=2), remat full", "interleaved_r2": "interleaved 1F1B (v=2)",
+             "1f1b_remat_full": "1F1B, remat full",
              "zb_h1": "ZB-H1"}
     fig, (ax, ax_mem) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.5, 1]})
     grid = np.linspace(min(ms), max(ms), 200)
@@ -415,7 +434,7 @@ def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str, tables: 
             ax_mem.plot([m for m, _ in mem_pts], [t / MIB for _, t in mem_pts], "o" + styles.get(label, "-"),
                         color=color, label=names.get(label, label))
     for label, marker in (("gpipe_remat_full", "s"), ("circular_r2_remat_full", "D"), ("interleaved_r2", "^"),
-                          ("zb_h1", "v")):
+                          ("zb_h1", "v"), ("1f1b_remat_full", "P")):
         full = mem.get(label, {}).get("memory")
         if full is not None:
             ax_mem.plot([MEMORY_M], [full["temp_bytes"] / MIB], marker, color=colors[label], ms=7,
@@ -518,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{verdict(r_ab, target)}  (temp bytes per device, remat none, m={MEMORY_M})")
     if ratio_full is not None:
         print(f"RESULT mem_ratio_1f1b_over_gpipe_remat_full  {ratio_full:.4f}  (1f1b remat none / gpipe remat full)")
+    ratio_both_full = temp_ratio(mem, "1f1b_remat_full", "gpipe_remat_full") if "1f1b_remat_full" in mem else None
+    if ratio_both_full is not None:
+        print(f"RESULT mem_ratio_1f1b_remat_full_over_gpipe_remat_full  {ratio_both_full:.4f}")
     if ratio_circ is not None:
         print(f"RESULT mem_ratio_circular_r2_over_gpipe  {ratio_circ:.4f}")
     print()
@@ -528,7 +550,12 @@ def main(argv: list[str] | None = None) -> int:
     rel = {k: v / unit for k, v in op_costs.items()}
     print("  " + "   ".join(f"{k} {v / 1e6:.2f} MFLOP ({rel[k]:.2f} F)" for k, v in op_costs.items()))
     print(f"RESULT zb_h1_work_over_1f1b  {(rel['F'] + rel['B_split'] + rel['W']) / (rel['F'] + rel['B']):.3f}  "
-          "(F + B + W of ZB-H1 over F + B of 1F1B, per chunk and microbatch, compiled flops)")
+          "(F + B + W of ZB-H1 over F + B of 1F1B, per chunk and microbatch, compiled flops, from F's residuals)")
+    print(f"RESULT zb_h1_work_over_1f1b_recompute  "
+          f"{(rel['F'] + rel['B_split_recompute'] + rel['W_recompute']) / (rel['F'] + rel['B_recompute']):.3f}  "
+          "(the same, B and W recomputing the chunk: remat full)")
+    print(f"RESULT 1f1b_work_kept_over_recompute  {(rel['F'] + rel['B']) / (rel['F'] + rel['B_recompute']):.3f}  "
+          "(1F1B's F + B from F's residuals over recomputing the chunk in B)")
     print()
     table_ms = sorted(set(ms) | {MEMORY_M})
     print(f"[3] tables: ticks and bubble at p = {PIPE} from each schedule's table against the formula "
@@ -563,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"formula {p['bubble_formula']:.3f}  table {p['bubble_table']:.3f}")
     print("  (measured = c / (a m + c) from the wall-clock fit; on simulated CPU devices this is the fill/drain")
     print("   cost in executed work: GPipe/circular compute masked work in their bubble, 1F1B skips idle halves")
-    print("   with lax.cond, so its CPU figure is near zero while on real accelerators it would follow the formula)")
+    print("   with lax.cond, so its CPU figure is per-step fixed cost, while on real accelerators it would follow the formula)")
 
     png = Path(args.out) / "pipeline_bubble.png"
     note = (f"{'tiny model' if args.tiny else 'd_model 128, 8 layers, seq 128'}, {args.rows} row/microbatch/shard; "

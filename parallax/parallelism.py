@@ -34,7 +34,7 @@ from parallax.config import Config, ConfigError, choice_error, chunk_length, exp
 # The schedules' facts live in schedules.py; re-exported here, the layout's one entry point.
 from parallax.schedules import (CIRCULAR, GPIPE, INTERLEAVED, ONE_F_ONE_B, OWN_GRADIENTS, SCHEDULES, TABLE_COSTS,  # noqa: F401
                                 VIRTUAL, ZB_H1, COMPILED_COSTS, Schedule, Table, bubble, buffer_slots, lockstep_bubble,
-                                make_table, own_gradients, pipelined,
+                                make_table, own_gradients, pipelined, residual_slots,
                                 stage_padding, stages_fill, ticks)
 
 REMATS = ("none", "full", "dots", "save_attn_mlp", "save_attn_mlp_offload")  # transformer.REMAT_POLICIES
@@ -56,6 +56,21 @@ SPLASH_MIN_BLOCK = 128
 # GPU never is: 160 failed to compile for h100-16384 here, 2026-12-02. 128 holds everywhere.)
 CUDNN_HEAD_DIM_MULTIPLE, CUDNN_MAX_HEAD_DIM = 8, 128
 NONE, FULL, DOTS, SAVE_ATTN_MLP, SAVE_ATTN_MLP_OFFLOAD = range(5)
+# The table schedules keep F's VJP residuals for B and W (parallel/residuals.py) under the remat
+# policies that keep more than each unit's input; `full` recomputes the chunk from its input in
+# B, one unit at a time (memory first), and offloaded residuals live in host memory, not in the
+# tick loop's buffers.
+KEEPS_RESIDUALS = (NONE, DOTS, SAVE_ATTN_MLP)
+
+
+def keeps_residuals(schedule: Any, remat: Any, fused: Any = False) -> Any:
+    """Does a table schedule run B (and W) from F's residuals? Element-wise over codes. Not under
+    remat none with a fused attention kernel (`fused`): the kernel's residuals are untyped in the
+    stage (fused_attention.py) and B would compute them again from the stage input, about the
+    whole forward (pipeline_1f1b drops them on seeing them)."""
+    return own_gradients(schedule) & np.isin(remat, KEEPS_RESIDUALS) & ~((np.asarray(remat) == NONE) & fused)
+
+
 # The layout fields a grid varies (cost.Grid has the same names): mesh sizes, then the parallel
 # settings as integers (schedule, remat and grad_reduce as indices into the tuples above).
 LAYOUT_FIELDS = ("data", "tensor", "pipe", "expert", "zero", "microbatches", "schedule", "repeats", "remat",

@@ -53,6 +53,11 @@ TABLE_COSTS = {"1f1b": {"F": 1, "B": 2, "W": 0}, "interleaved_1f1b": {"F": 1, "B
 # weight gradients (3).
 COMPILED_COSTS = {"1f1b": {"F": 1, "B": 3, "W": 0}, "interleaved_1f1b": {"F": 1, "B": 3, "W": 0},
                   "zb_h1": {"F": 1, "B": 2, "W": 3}}
+# ... and where B and W start from F's residuals (parallelism.keeps_residuals, remat none): 1F1B's
+# B is the backward (2); ZB-H1's B the input-gradient chain (1), its W the chain again and the
+# weight gradients (2). (Under dots and save_attn_mlp each adds what the policy recomputes.)
+KEPT_COSTS = {"1f1b": {"F": 1, "B": 2, "W": 0}, "interleaved_1f1b": {"F": 1, "B": 2, "W": 0},
+              "zb_h1": {"F": 1, "B": 1, "W": 2}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,12 +98,12 @@ EXACT_OPS = 4096  # lockstep_bubble walks ZB-H1's table up to this many ops per 
 
 
 @functools.lru_cache(maxsize=4096)
-def _lockstep_bubble(name: str, p: int, m: int, r: int) -> float:
+def _lockstep_bubble(name: str, p: int, m: int, r: int, kept: bool) -> float:
     if name != "zb_h1":
         # 1F1B / interleaved: F-only warm-up ticks, F+B steady ticks, B-only cool-down ticks, the
         # same on every stage, so the formula holds for any F:B cost (tests/test_schedules.py)
         return float(bubble(SCHEDULES.index(name), p, m, r))
-    c = COMPILED_COSTS[name]
+    c = (KEPT_COSTS if kept else COMPILED_COSTS)[name]
     work = m * (c["F"] + c["B"] + c["W"])
     if p * m > EXACT_OPS:  # an upper bound: every tick as long as the costliest op
         return 1 - work / (max(c.values()) * (3 * m + p - 1))
@@ -109,17 +114,20 @@ def _lockstep_bubble(name: str, p: int, m: int, r: int) -> float:
     return 1 - work / sum(tick_cost.values())
 
 
-def lockstep_bubble(schedule: Any, pipe: Any, microbatches: Any, repeats: Any) -> Any:
+def lockstep_bubble(schedule: Any, pipe: Any, microbatches: Any, repeats: Any, kept: Any = False) -> Any:
     """The bubble of a table schedule's own table with its ticks in lockstep and the compiled op
-    costs (COMPILED_COSTS); `bubble` elsewhere. Element-wise over a grid (the planner's), one table
-    walk per distinct ZB-H1 layout up to P x M = EXACT_OPS, an upper bound beyond (each tick as
-    long as its costliest op; 0.342 against the exact 0.317 at P 4, M 32)."""
-    shape = np.broadcast_shapes(*(np.shape(a) for a in (schedule, pipe, microbatches, repeats)))
-    sched, p, m, r = (np.broadcast_to(np.atleast_1d(a), shape or (1,)) for a in (schedule, pipe, microbatches, repeats))
+    costs (COMPILED_COSTS, or KEPT_COSTS where `kept`: B and W from F's residuals); `bubble`
+    elsewhere. Element-wise over a grid (the planner's), one table walk per distinct ZB-H1 layout
+    up to P x M = EXACT_OPS, an upper bound beyond (each tick as long as its costliest op; 0.342
+    against the exact 0.317 at P 4, M 32 under COMPILED_COSTS)."""
+    args = (schedule, pipe, microbatches, repeats, kept)
+    shape = np.broadcast_shapes(*(np.shape(a) for a in args))
+    sched, p, m, r, k = (np.broadcast_to(np.atleast_1d(a), shape or (1,)) for a in args)
     out = np.asarray(bubble(sched, p, m, r), float).copy()
     for idx in zip(*np.nonzero(own_gradients(sched) & pipelined(p, m))):
         name = SCHEDULES[int(sched[idx])]
-        out[idx] = _lockstep_bubble(name, int(p[idx]), int(m[idx]), int(r[idx]) if name == "interleaved_1f1b" else 1)
+        out[idx] = _lockstep_bubble(name, int(p[idx]), int(m[idx]), int(r[idx]) if name == "interleaved_1f1b" else 1,
+                                    bool(k[idx]))
     return out.reshape(shape)
 
 
@@ -134,6 +142,18 @@ def buffer_slots(schedule: Any, pipe: Any, microbatches: Any, repeats: Any) -> A
     act = np.where(sched == ZB_H1, np.minimum(m, p + 1), np.minimum(v * m, v * p + p - 1))
     cot = np.where(sched == ZB_H1, np.where(p > 1, p, 2), 1)
     return act + cot + 2
+
+
+def residual_slots(schedule: Any, pipe: Any, microbatches: Any, repeats: Any) -> Any:
+    """Chunk residuals a table schedule keeps from F to B (`Table.res_slots`, the max over stages),
+    vectorised: 1F1B min(M, 2P - 1), interleaved min(vM, vP + P - 1) (in the lockstep tick a
+    stage runs an F and a B, so stage 0 runs P - 1 F's more than Megatron's P in flight before
+    its first B), ZB-H1 min(M, P + 1) (to its W); plus one where an idle F finds every slot live
+    (fewer microbatches than that bound; ZB-H1 always)."""
+    sched, p, m, r = (np.asarray(a) for a in (schedule, pipe, microbatches, repeats))
+    v = np.where(sched == INTERLEAVED, r, 1)
+    bound = np.where(sched == ZB_H1, p + 1, v * p + p - 1)
+    return np.minimum(v * m, bound) + ((v * m < bound) | (sched == ZB_H1))
 
 
 def stage_padding(units: int, stages: int, repeats: int = 1) -> int | None:
@@ -231,7 +251,9 @@ class Table:
     its F's tick) to their last use. `recv_f` / `recv_b`: the slot the activation / cotangent
     received at the start of tick t goes to (`act_slots` / `cot_slots`: a trash slot, nothing
     arrived). `f_act` of an idle F and `f_cot` but on the head's tick: the trash slot (the tick loop writes them
-    unconditionally)."""
+    unconditionally). `f_res` / `b_res`: the slot of the residuals an F keeps for its B, live
+    from the F's tick to the B's (W's when split); an idle F's: a slot free at its tick
+    (residual_slots)."""
 
     stages: int
     chunks: int
@@ -240,6 +262,7 @@ class Table:
     ticks: int
     act_slots: int
     cot_slots: int
+    res_slots: int  # kept VJP residuals (parallel/residuals.py), from an F to its B (W when split)
     arrays: dict[str, np.ndarray] = field(repr=False)
     times: dict[str, dict[Op, int]] = field(repr=False)  # 'F', 'B', 'W' -> {(s, c, i): tick}
 
@@ -266,7 +289,7 @@ def make_table(name: str, p: int, m: int, v: int = 1) -> Table:
     def consumer(s: int, c: int) -> tuple[int, int] | None:  # the chunk that takes (s, c)'s output
         return (s + 1, c) if s < p - 1 else ((0, c + 1) if c < v - 1 else None)
 
-    act_iv, cot_iv = {s: [] for s in range(p)}, {s: [] for s in range(p)}
+    act_iv, cot_iv, res_iv = {s: [] for s in range(p)}, {s: [] for s in range(p)}, {s: [] for s in range(p)}
     arrive_f, arrive_b = {}, {}  # (t, s) -> op whose data arrives then
     for (s, c, i), t in fwd.items():
         src = producer(s, c)
@@ -274,22 +297,25 @@ def make_table(name: str, p: int, m: int, v: int = 1) -> Table:
         if src is not None:
             arrive_f[(start, s)] = (s, c, i)
         act_iv[s].append((start, last[(s, c, i)], (s, c, i)))
+        res_iv[s].append((t, last[(s, c, i)], (s, c, i)))
         dst = consumer(s, c)
         cstart = t if dst is None else bwd[(*dst, i)] + 1
         if dst is not None:
             arrive_b[(cstart, s)] = (s, c, i)
         cot_iv[s].append((cstart, last[(s, c, i)], (s, c, i)))
-    act_slot, cot_slot, n_act, n_cot = {}, {}, 0, 0
+    act_slot, cot_slot, res_slot, n_act, n_cot, n_res = {}, {}, {}, 0, 0, 0
     for s in range(p):
         a, na = _colour(act_iv[s])
         g, ng = _colour(cot_iv[s])
+        r, nr = _colour(res_iv[s])
         act_slot.update(a)
         cot_slot.update(g)
-        n_act, n_cot = max(n_act, na), max(n_cot, ng)
+        res_slot.update(r)
+        n_act, n_cot, n_res = max(n_act, na), max(n_cot, ng), max(n_res, nr)
 
     arrays = {k: np.zeros((n_ticks, p), np.int32) for k in (
         "f_busy", "f_chunk", "f_mb", "f_act", "f_cot", "b_busy", "b_chunk", "b_mb", "b_act", "b_cot",
-        "w_busy", "w_chunk", "w_mb", "w_act", "w_cot")}
+        "w_busy", "w_chunk", "w_mb", "w_act", "w_cot", "f_res", "b_res", "w_res")}
     arrays["f_act"][:] = n_act  # an idle F's input write goes to the trash slot too
     arrays["f_cot"][:] = n_cot
     arrays["recv_f"] = np.full((n_ticks, p), n_act, np.int32)
@@ -298,17 +324,30 @@ def make_table(name: str, p: int, m: int, v: int = 1) -> Table:
         for (s, c, i), t in times.items():
             assert not arrays[f"{kind}_busy"][t, s], (kind, t, s)
             for key, value in (("busy", 1), ("chunk", c), ("mb", i), ("act", act_slot[(s, c, i)]),
-                               ("cot", cot_slot[(s, c, i)])):
+                               ("cot", cot_slot[(s, c, i)]), ("res", res_slot[(s, c, i)])):
                 if kind == "f" and key == "cot":
                     value = cot_slot[(s, c, i)] if consumer(s, c) is None else n_cot
                 arrays[f"{kind}_{key}"][t, s] = value
+    # An idle F writes its (zero) residuals unconditionally too: into a slot free at that tick
+    # (no trash slot: one would hold a whole chunk's residuals), or, where every slot is live
+    # (M < 2P - 1 in 1F1B: stage 0 waits on all M), into one more
+    for s in range(p):
+        live = np.zeros((n_ticks, n_res), bool)
+        for (ss, c, i), t in fwd.items():
+            if ss == s:
+                live[t:last[(s, c, i)] + 1, res_slot[(s, c, i)]] = True
+        for t in range(n_ticks):
+            if not arrays["f_busy"][t, s]:
+                free = np.flatnonzero(~live[t])
+                arrays["f_res"][t, s] = free[0] if free.size else n_res
+    n_res += int((arrays["f_res"] == n_res).any())
     for (t, s), op in arrive_f.items():
         arrays["recv_f"][t, s] = act_slot[op]
     for (t, s), op in arrive_b.items():
         arrays["recv_b"][t, s] = cot_slot[op]
     for a in arrays.values():
         a.setflags(write=False)  # cached and shared: read-only
-    return Table(p, v, m, split, n_ticks, n_act, n_cot, arrays, {"F": fwd, "B": bwd, "W": wgt})
+    return Table(p, v, m, split, n_ticks, n_act, n_cot, n_res, arrays, {"F": fwd, "B": bwd, "W": wgt})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import pytest
 
 import numpy as np
 
-from parallax.schedules import (COMPILED_COSTS, SCHEDULES, Schedule, bubble, buffer_slots, lockstep_bubble,
-                              make_table, ticks)
+from parallax.schedules import (COMPILED_COSTS, KEPT_COSTS, SCHEDULES, Schedule, bubble, buffer_slots, lockstep_bubble,
+                              make_table, residual_slots, ticks)
 
 # every layout the tests below walk: p stages, m microbatches, v chunks
 LAYOUTS = [(name, p, m, v) for p in range(1, 9) for m in range(p, 4 * p + 1)
@@ -30,6 +30,7 @@ def _run(tab):
     p, v = tab.stages, tab.chunks
     act = {s: [None] * (tab.act_slots + 1) for s in range(p)}
     cot = {s: [None] * (tab.cot_slots + 1) for s in range(p)}
+    res = {s: [None] * tab.res_slots for s in range(p)}  # no trash slot: an idle F writes a free one
     sent_f, sent_b = [None] * p, [None] * p
     for t in range(tab.ticks):
         recv_f, recv_b = [sent_f[(s - 1) % p] for s in range(p)], [sent_b[(s + 1) % p] for s in range(p)]
@@ -44,12 +45,15 @@ def _run(tab):
                 assert inp == _needs(s, c, i, p)[0], ("F", t, s, c, i)
                 out = ("y", s, c, i)
                 cot[s][row["f_cot"]] = ("dy", s, c, i)  # the head (the trash slot otherwise)
+                res[s][row["f_res"]] = ("res", s, c, i)  # the residuals F keeps for its B (and W)
             else:
                 cot[s][row["f_cot"]] = None
+                res[s][row["f_res"]] = None  # an idle F's zeros
             for kind in ("b", "w"):
                 if row[f"{kind}_busy"]:
                     c, i = row[f"{kind}_chunk"], row[f"{kind}_mb"]
                     assert (act[s][row[f"{kind}_act"]], cot[s][row[f"{kind}_cot"]]) == _needs(s, c, i, p), (kind, t, s, c, i)
+                    assert res[s][row[f"{kind}_res"]] == ("res", s, c, i), (kind, "residuals", t, s, c, i)
                     if kind == "b":
                         dx = ("dy", (s - 1) % p, c - (s == 0), i)
             sent_f[s], sent_b[s] = out, dx
@@ -101,6 +105,10 @@ def test_table_activation_memory_is_bounded(name, p, m, v):
     assert tab.act_slots <= bound[0] and tab.cot_slots <= bound[1]
     # the cost model's count (with the two trash slots)
     assert buffer_slots(SCHEDULES.index(name), p, m, v) == tab.act_slots + tab.cot_slots + 2
+    # kept residuals: from F to B (W), at most the stage inputs' bound, + 1 where an idle F finds
+    # every slot live; the cost model's count
+    assert tab.res_slots <= bound[0] + 1
+    assert residual_slots(SCHEDULES.index(name), p, m, v) == tab.res_slots
 
 
 def test_interleaved_with_one_chunk_is_1f1b():
@@ -142,6 +150,11 @@ def test_lockstep_bubble_reads_each_layouts_table():
         sch = Schedule(p_, m_, v, name)
         for costs in (COMPILED_COSTS[name], {"F": 1, "B": 5, "W": 0}):
             assert sch.bubble_fraction_at(costs) == pytest.approx(sch.formula())
+    # B and W from F's residuals (parallelism.keeps_residuals): ZB-H1's ops cost 1:1:2, not 1:2:3
+    kept = lockstep_bubble(sched, p, m, r, True)
+    assert kept[3] == pytest.approx(Schedule(4, 8, 1, "zb_h1").bubble_fraction_at(KEPT_COSTS["zb_h1"]))
+    assert kept[3] > bubble(4, 4, 8, 1) and kept[3] != pytest.approx(got[3])
+    np.testing.assert_allclose(kept[[0, 1, 2, 4]], got[[0, 1, 2, 4]])
     # beyond EXACT_OPS: an upper bound of the table's lockstep bubble
     assert lockstep_bubble(4, 64, 128, 1) >= Schedule(64, 128, 1, "zb_h1").bubble_fraction_at(COMPILED_COSTS["zb_h1"])
     assert np.shape(lockstep_bubble(4, 4, 8, 1)) == ()

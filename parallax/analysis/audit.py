@@ -239,13 +239,14 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
     platform = "cpu" if step.platform == "cpu" else "accelerator"
     found = collectives(step.hlo, step.mesh_shape)
     placed = placements(step.hlo)
-    rows = compare_collectives(found, collective_terms(w, g, platform), placed, step.mesh_shape)
-    families = family_totals(rows)
-    modelled = {k for k, v in families.items() if v["model_bytes"] > 0}
     # The attention the compiled program runs (its custom calls), which the cost model then counts:
-    # a fused kernel keeps no [B, N, T, T] scores and skips the causal half.
+    # a fused kernel keeps no [B, N, T, T] scores and skips the causal half (and, under remat none,
+    # keeps a table schedule's B recomputing: parallelism.keeps_residuals).
     kernels = attention_kernels(step.hlo)
     attention = kernels["kernel"]  # 'xla', or the fused kernel by name ('cudnn' keeps a packed-document mask)
+    rows = compare_collectives(found, collective_terms(w, g, platform, attention), placed, step.mesh_shape)
+    families = family_totals(rows)
+    modelled = {k for k, v in families.items() if v["model_bytes"] > 0}
     # XLA:GPU's memory terms where the compiler is a GPU's (cost.GPU_*); the TPU keeps the accelerator fit
     parts = {k: float(v) for k, v in memory_parts(w, g, memory_platform(step.platform), attention=attention).items()}
     n = math.prod(step.mesh_shape.values())

@@ -98,12 +98,13 @@ class _Terms:
         self.add(("tensor",), "reduce-scatter", what, nbytes / s.t, execs, on & rs, "exposed", static, s.t)
 
 
-def collective_terms(w: Workload, g: Grid, platform: str = "accelerator") -> list[Term]:
+def collective_terms(w: Workload, g: Grid, platform: str = "accelerator", attention: str | None = None) -> list[Term]:
     """Every collective family of one step, per device, family by family (tensor, expert, pipe,
-    data: the order audit.py and plan.py have always read). Terms of size 0 are kept (zero bytes)."""
+    data: the order audit.py and plan.py have always read). Terms of size 0 are kept (zero bytes).
+    `attention`: the kernel the step runs where the caller resolved it (Dims)."""
     if w.grad_accum > 1:
         return _accumulated_terms(w, g, platform)
-    s = Dims(w, g, platform)
+    s = Dims(w, g, platform, attention)
     return tensor_terms(s) + expert_terms(s) + pipe_terms(s) + data_terms(s)
 
 
@@ -173,15 +174,17 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
     # layers up; at 2 the loop is unrolled and it is dropped, as XLA:CPU and either compiler
     # without SP drop it; under save_attn_mlp nothing is recomputed there)
     dead = np.where(s.sp & (not s.cpu) & (s.Lc / s.unit > 2), 1, 0)
-    recompute = np.where(s.f1b, reruns * (2 * s.Lc - (s.Lc == 1)),
+    # (from F's residuals, Dims.keep: what the remat policy recomputes, in ZB-H1's B and W each)
+    policy_runs = s.policy_runs * (1 + s.zb)
+    recompute = np.where(s.rerun_chunk, reruns * (2 * s.Lc - (s.Lc == 1)),
                          np.select([s.remat == FULL, s.remat >= SAVE_ATTN_MLP],
-                                   [s.units_run * (2 * s.unit - 1 + dead), s.units_run * (s.unit - 1)], 0))
+                                   [policy_runs * (2 * s.unit - 1 + dead), policy_runs * (s.unit - 1)], 0))
     for what, n in (("block forward (2 per layer)", per_unit * s.busy_units),
                     ("block backward (2 per layer)", per_unit * s.busy_units * (1 + s.zb)),
                     ("block recomputation", recompute)):
         out.partial_sum(s, what, s.act_run / halves, n * halves, on_t, n * halves * s.static_scale)
     gathers = 2 * s.busy_layers * halves
-    regathers = 2 * np.where(s.f1b, reruns * s.Lc, np.where(s.remat != NONE, s.layers_run, 0)) * halves
+    regathers = 2 * np.where(s.rerun_chunk, reruns * s.Lc, np.where(s.remat != NONE, policy_runs * s.unit, 0)) * halves
     for what, n in (("sequence-parallel norm gathers forward (2 per layer)", gathers),
                     ("sequence-parallel cotangent gathers backward (2 per layer)", gathers),
                     ("sequence-parallel norm gathers recomputed", regathers)):

@@ -17,7 +17,8 @@ import numpy as np
 
 from parallax.config import Config, ModelConfig, ParallelConfig, chunk_length, expert_d_ff, moe_capacity
 from parallax.parallelism import (CIRCULAR, DOTS, FULL, GPIPE, NONE, ONE_F_ONE_B, SAVE_ATTN_MLP, SAVE_ATTN_MLP_OFFLOAD,
-                                  ZB_H1, buffer_slots, layout_fields, own_gradients, pipelined, reduces_once, ticks)
+                                  ZB_H1, buffer_slots, keeps_residuals, layout_fields, own_gradients, pipelined,
+                                  reduces_once, residual_slots, ticks)
 
 # XLA:CPU activation memory, read off 71 compiles (experiments/calibrate_cost.py: d_model, d_ff,
 # layers, heads, sequence, batch, vocab and tensor varied one at a time under each remat policy
@@ -123,7 +124,7 @@ class Dims:
     only) and the rest (attention, dense MLPs, norms, the replicated float32 router, shared experts).
     """
 
-    def __init__(self, w: Workload, g: Grid, platform: str = "accelerator"):
+    def __init__(self, w: Workload, g: Grid, platform: str = "accelerator", attention: str | None = None):
         m = w.model
         self.w, self.g = w, g
         self.D, self.L, self.N, self.K, self.F, self.V = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
@@ -142,6 +143,16 @@ class Dims:
         # a table schedule (1F1B, interleaved 1F1B, ZB-H1): the pipeline computes its gradients
         self.f1b = self.piped & own_gradients(self.sched)
         self.zb = self.piped & (self.sched == ZB_H1)  # the backward split: B and W each recompute
+        # the table schedules keep F's residuals for B (and W) where the remat policy keeps more
+        # than the unit inputs (parallelism.keeps_residuals, parallel/residuals.py): B recomputes
+        # what the policy recomputes, not the chunk's forward
+        # (a fused attention kernel: `attention` where the caller resolved it, else the model's
+        # choice on this platform, `auto` fused on every accelerator)
+        fused = (attention not in (None, "xla") if attention is not None else
+                 m.attention in ("cudnn", "splash") or (m.attention == "auto" and platform != "cpu"))
+        self.keep = self.piped & keeps_residuals(self.sched, self.remat, fused)
+        # ... and under remat full and its offload they recompute the chunk from its input
+        self.rerun_chunk = self.f1b & ~self.keep
         self.ticks = ticks(self.sched, p, self.M, self.r)
         self.rows = w.global_batch / self.dp  # rows per batch shard
         self.tok = self.rows * self.T  # tokens per batch shard
@@ -218,6 +229,8 @@ class Dims:
         self.layers_run = np.where(piped, self.ticks * self.Lc, self.L)
         self.busy_layers = np.where(f1b, M * self.Ldev, self.layers_run)  # every chunk on every microbatch
         self.units_run, self.busy_units = self.layers_run / self.unit, self.busy_layers / self.unit
+        # unit calls a remat policy recomputes in: every run (a table schedule's busy ones)
+        self.policy_runs = np.where(f1b, self.busy_units, self.units_run)
         self.units_dev = self.Ldev / self.unit  # units stored per device
         self.static_scale = np.where(f1b, self.ticks / (M * self.r), 1)
         self.halves = np.where(piped & ~f1b & ((self.rows / M) % 2 == 0), 2, 1)
@@ -225,8 +238,12 @@ class Dims:
         self.slots_run = np.where(piped, self.slots / M, self.slots) / self.halves  # one MoE call's slots
         # MoE layer calls per step, and those recomputed (any remat policy; 1F1B's stage vjp)
         self.moe_calls = self.moe * self.busy_units * self.halves
-        self.moe_recalls = self.moe * np.where(f1b, (1 + self.zb) * M * self.Ldev / self.unit,
-                                               np.where(self.remat != NONE, self.units_run, 0)) * self.halves
+        # (ZB-H1 from F's residuals: B's and W's VJPs each recompute what the policy does, and W's
+        # input-gradient chain runs the dispatch and combine backward again, counted as a recompute)
+        self.moe_recalls = self.moe * np.where(
+            self.rerun_chunk, (1 + self.zb) * M * self.Ldev / self.unit,
+            np.where(self.remat != NONE, (1 + self.zb) * self.policy_runs, 0) + self.zb * M * self.Ldev / self.unit
+        ) * self.halves
 
 
 def optimizer_bytes_per_param(w: Workload, block: bool = False) -> int:
@@ -293,7 +310,7 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
         parts["batch"] = parts["batch"] * w.grad_accum
         parts["total"] = parts["total"] + parts["accumulator"] + parts["batch"] * (1 - 1 / w.grad_accum)
         return parts
-    s = Dims(w, g, platform)
+    s = Dims(w, g, platform, attention)
     c, D, F, H, N, K, T, t = s.c, s.D, s.F, s.H, s.N, s.K, s.T, s.t
     dshard = s.d  # ZeRO shards over data only (sharding.make_rules), experts or not
     params = 4 * s.params_t / np.where(s.zero == 3, dshard, 1)
@@ -366,7 +383,12 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # table schedules' tick loop, through the whole step; GPipe's and circular's backward loop
     # only (in `work` below: Llama-3-405B, circular on h100-16384, holds 12.2 GiB of them there)
     stage_acc = np.where(s.piped & (s.zero == 3), 4 * s.Ldev * s.layer_t, 0)
-    f1b_saved = slots * tok_m * D * c / sp_t + s.Lc * (tok_m * saved_tok + saved_layer) + tick_grad + stage_acc
+    # The chunk residuals: one chunk's while its B's vjp runs, or (`keep`: B from F's residuals,
+    # parallel/residuals.py) every F's from its tick to its B's (schedules.residual_slots) and
+    # the tick's F's own before it enters its slot (a conditional's result is a buffer of its own;
+    # XLA:CPU, 6 layouts of 1F1B and interleaved under none, dots and save_attn_mlp: -3% to +4%)
+    chunk_res = np.where(s.keep, residual_slots(s.sched, s.p, s.M, s.r) + 1, 1) * tok_m * saved_tok
+    f1b_saved = slots * tok_m * D * c / sp_t + s.Lc * (chunk_res + saved_layer) + tick_grad + stage_acc
     activations = np.where(s.f1b, f1b_saved, np.where(s.piped, gpipe_saved, plain_saved))
     # save_attn_mlp: the unit whose backward runs at the peak holds its names in the working set
     # below (its un-rematted residuals), so they count once (measured on XLA:CPU: the compiled
@@ -482,7 +504,7 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     layer); a fused causal kernel skips the masked half (6 N H T, the model-FLOPs convention).
     The optimizer: Muon's Newton-Schulz iterations (optimizer_flops_per_device).
     """
-    s = Dims(w, g)
+    s = Dims(w, g, attention=attention)
     attn = {"xla": 4, "none": 0}.get(attention, 2)  # "none": without the scores (audit: a kernel's share)
     wo = 2 * s.F * s.D  # the last matmul: its output is dead in a recomputation (XLA drops it)
     block = 2 * s.D * s.H * (2 * s.N + 2 * s.K) + attn * s.N * s.H * s.T  # per token: projections, scores
@@ -503,17 +525,21 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     # MoE block the experts' output projection (the combine's backward needs their outputs).
     saved = s.unit * (2 * s.D * s.H * (s.N + 2 * s.K) + attn * s.N * s.H * s.T) + (s.unit - 1) * wo \
         + s.moe * s.slots_tok * 2 * s.D * s.Fe
-    # ZB-H1: B and W each recompute the stage, and W runs the input-gradient chain again (the
-    # weights' gradients of a unit need the cotangent of its output): 2 recomputes + about 1 fwd
-    # (a unit's input-gradient matmuls cost its forward's)
+    # ZB-H1 recomputing the chunk (remat full): B and W each recompute the stage, and W runs the
+    # input-gradient chain again (the weights' gradients of a unit need the cotangent of its
+    # output): 2 recomputes + about 1 fwd (a unit's input-gradient matmuls cost its forward's).
+    # From F's residuals (Dims.keep) B recomputes what the remat policy does and no more; ZB-H1's
+    # W does it again and runs the input-gradient chain again (about 1 fwd).
     stage_rerun = fwd - dead * s.unit / s.Lc
-    recompute = np.select([s.zb, s.f1b, s.remat == FULL, s.remat == DOTS, s.remat >= SAVE_ATTN_MLP],
-                          [2 * stage_rerun + fwd, stage_rerun, fwd - dead, s.moe * experts, saved], 0)
+    policy = np.select([s.remat == FULL, s.remat == DOTS, s.remat >= SAVE_ATTN_MLP], [fwd - dead, s.moe * experts, saved], 0)
+    policy = policy * (1 + s.zb)  # ZB-H1: in B and again in W
+    recompute = np.select([s.zb & s.rerun_chunk, s.rerun_chunk, s.zb], [2 * stage_rerun + fwd, stage_rerun, fwd + policy],
+                          policy)
     # attention in query blocks (parallel.attention_chunk): each block is checkpointed, so its
     # scores and values are computed once more in the backward pass, under any remat policy
     recompute = recompute + (s.query_rows < s.T) * s.unit * attn * s.N * s.H * s.T
     busy = np.where(s.piped & ~s.f1b, s.ticks / (s.r * s.M), 1.0)  # bubble ticks run the stage too
-    rerun = np.where(s.f1b | (s.remat == FULL) | (s.remat >= SAVE_ATTN_MLP), 1, 0)  # router, combine
+    rerun = np.where(s.rerun_chunk | s.zb | (s.remat == FULL) | (s.remat >= SAVE_ATTN_MLP), 1, 0)  # router, combine
     units = s.Ldev / s.unit
     blocks = s.tok * units * ((3 * fwd + recompute) / s.t + (3 + rerun) * moe_replicated) * busy
     # the fused loss head: logits forward, again in the backward (vocab.fused_cross_entropy

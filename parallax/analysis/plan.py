@@ -49,7 +49,7 @@ from parallax.analysis.collectives import collective_terms
 from parallax.analysis.cost import (Grid, Workload, hardware_flops_per_device, memory_parts, memory_platform,
                                     model_flops_per_step)
 from parallax.parallelism import (CIRCULAR, GPIPE, INTERLEAVED, LAYOUT_FIELDS, ONE_F_ONE_B, REMATS, SCHEDULES, ZB_H1,
-                                  bubble, legal, lockstep_bubble, own_gradients, pipelined)
+                                  bubble, keeps_residuals, legal, lockstep_bubble, own_gradients, pipelined)
 from parallax.analysis.presets import PUBLISHED  # noqa: F401 - re-exported: the published runs beside compare_published
 from parallax.analysis.presets import ALIASES, DEVICES, PRESETS, Device, PublishedRun
 
@@ -143,9 +143,9 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     f1b = piped & own_gradients(sched)
     t_blocks = hw["blocks"] / rate
     # Table schedules skip idle work, so their busy work is stretched by their bubble: the table's,
-    # ticks in lockstep under the compiled op costs (schedules.COMPILED_COSTS; 1F1B and interleaved:
-    # the formula, ZB-H1: more than the paper's, B and W each recomputing the stage)
-    lockstep = lockstep_bubble(sched, p, m_, g.repeats)
+    # ticks in lockstep under the compiled op costs (schedules.COMPILED_COSTS, or KEPT_COSTS where B
+    # and W start from F's residuals; 1F1B and interleaved: the formula, ZB-H1: more than the paper's)
+    lockstep = lockstep_bubble(sched, p, m_, g.repeats, keeps_residuals(sched, g.remat, attention != "xla"))
     stretch = np.where(f1b, 1 / (1 - np.where(f1b, lockstep, 0)), 1.0)
     t_compute = t_blocks * stretch + (hw["head"] + hw["embedding"] + hw["optimizer"]) / rate
     strides = {"tensor": 1, "expert": t, "data": t * e, "pipe": t * e * d}  # device order: tensor innermost
@@ -154,7 +154,7 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     hidden_data = 0.0  # behind the backward pass
     hidden_zero3 = 0.0  # behind compute
     tick_send = 0.0
-    for term in collective_terms(w, g, "accelerator"):
+    for term in collective_terms(w, g, "accelerator", attention):
         axis = "data" if "data" in term.axes else term.axes[0]
         # A group's members lie its innermost non-trivial axis apart: a (data, expert) gradient
         # group is d*e devices t apart when expert > 1, t*e apart otherwise.

@@ -11,28 +11,35 @@ buffer slots) and
     behind this tick's F: nothing reads it before this tick's B) and stores what arrived (last
     tick's activation from stage s-1; the cotangent from stage s+1, before B) in the slot the
     table names: in the ZB-H1 order data may wait ticks before its op runs;
-  - F: runs chunk c of microbatch i on its input and keeps only that input (stage 0's chunk 0
-    first embeds the microbatch's tokens, as Megatron's first stage does); after the last chunk on
-    the last stage, runs the loss head at once and stores its cotangent;
-  - B: `jax.vjp` of chunk c recomputed from the buffered input, applied to the buffered output
-    cotangent: input and weight gradients (1F1B, interleaved), or only the input gradient and the
-    FP8 state (ZB-H1's split backward); under remat full one unit at a time, each unit's weight
-    gradient added into the float32 accumulator in place (backward_by_unit); on stage 0's chunk 0
-    the input gradient goes straight into the embedding table's gradient (a scatter-add);
-  - W (ZB-H1): `jax.vjp` of the chunk w.r.t. its weights from the same input and cotangent,
-    deferred to where the table puts it (the weight-gradient accumulation stays float32);
+  - F: runs chunk c of microbatch i on its input and keeps that input (stage 0's chunk 0 first
+    embeds the microbatch's tokens, as Megatron's first stage does) and, under the remat policies
+    that keep more than a unit's input (none, dots, save_attn_mlp: parallelism.keeps_residuals),
+    the residuals of the chunk's `jax.vjp` that the microbatch made (residuals.py: not the
+    weights) in a slot of its own until B (W); after the last chunk on the last stage, runs the
+    loss head at once and stores its cotangent;
+  - B: the chunk's VJP applied to the buffered output cotangent: from F's residuals, or (remat
+    full and its offload) of chunk c recomputed from the buffered input, one unit at a time, each
+    unit's weight gradient added into the float32 accumulator in place (backward_by_unit). Input
+    and weight gradients (1F1B, interleaved), or only the input gradient and the FP8 state
+    (ZB-H1's split backward); on stage 0's chunk 0 the input gradient goes straight into the
+    embedding table's gradient (a scatter-add);
+  - W (ZB-H1): the chunk's VJP w.r.t. its weights from the same residuals (or input) and
+    cotangent, deferred to where the table puts it (the weight-gradient accumulation stays float32);
   - sends its F's output forward round the ring (pipeline.send_along; the last stage's output of
     chunk c reaches stage 0's chunk c+1), and keeps its B's input gradient for the next tick.
 
 Live activation memory per stage is the table's buffers (1F1B at most 2P-1 stage inputs,
-interleaved vP+P-1 chunk inputs, ZB-H1 P+1 inputs and P cotangents) plus one chunk's residuals,
-instead of M + P - 1 ticks of residuals; nothing of the whole batch's [B, T, D] lives through the
-loop (embedding the batch before it kept its output and its input cotangent, [M, B/M, T, D] each,
-on every stage). Idle ops are skipped with `lax.cond` (a real conditional per device); ticks run
-in lockstep (each ends with the forward send), so a tick lasts as long as its busiest stage
-(schedules.py states each table's tick model and bubble). The price is a recomputed
-forward in every backward (HFU > MFU), twice in ZB-H1 (B and W each recompute, and W's weight
-gradients need the input-gradient chain again): BUILD_NOTES.md has the compiled flops.
+interleaved vP+P-1 chunk inputs, ZB-H1 P+1 inputs and P cotangents) and either as many chunks'
+residuals (schedules.residual_slots: Megatron's 1F1B keeps P, the lockstep tick runs P-1 more F's
+on stage 0 before its first B) or, under remat full, one chunk's, instead of M + P - 1 ticks of
+residuals; nothing of the whole batch's [B, T, D] lives through the loop (embedding the batch
+before it kept its output and its input cotangent, [M, B/M, T, D] each, on every stage). Idle ops
+are skipped with `lax.cond` (a real conditional per device); ticks run in lockstep (each ends with
+the forward send), so a tick lasts as long as its busiest stage (schedules.py states each table's
+tick model and bubble). From F's residuals a chunk costs 3 forwards of work under remat none,
+as in Megatron's 1F1B (ZB-H1 4: W runs the input-gradient chain again, a unit's weight gradients
+needing its output's cotangent); under remat full B recomputes the chunk (ZB-H1: B and W each):
+BUILD_NOTES.md has the compiled flops.
 
 What the other schedules take, this one takes too:
 - MoE blocks: the stage returns, beside its output, its share of the router losses (the balancing
@@ -88,10 +95,11 @@ from parallax.model.layers import CastWeight, QuantizedWeight
 from parallax.model.transformer import Transformer, moe_stat_shapes
 from parallax.model.logical import entry_axes, keep_axes, spec_axes, vary, varying_axes
 from parallax.parallel.mesh import DATA, PIPE
-from parallax.parallelism import Schedule
+from parallax.parallelism import REMATS, SCHEDULES, Schedule, keeps_residuals
 from parallax.parallel.pipeline import (gather_stage_weights, manual_over, send_along, stage_fn, stage_placement,
                                        to_layer_major, to_stages, unit_fn, unit_mask, with_batch_amaxes)
 from parallax.parallel.pipeline_tables import as_masters, carried_tables, reduce_table, table_out_spec, to_update
+from parallax.parallel import residuals
 from parallax.parallel.sharding import BATCH_AXES
 
 _NOTHING = -jnp.inf  # fm32's zero: the identity of the max that combines FP8 states
@@ -208,6 +216,9 @@ def make_scheduled_value_and_grad(
     # B one unit at a time where that costs no extra work: remat `full` recomputes every unit's
     # forward in B either way (backward_by_unit); ZB-H1's split B accumulates nothing
     by_unit = not tab.split and model.remat == "full"
+    # B (and W) from F's residuals (residuals.py) where the remat policy keeps more than the
+    # unit inputs (parallelism.keeps_residuals): F's forward is not run again
+    keep = bool(keeps_residuals(SCHEDULES.index(sched.name), REMATS.index(model.remat), model.attend is not None))
     manual = {PIPE, *BATCH_AXES}
     c = model.cfg
     units = sched.units or c.n_layers
@@ -277,6 +288,22 @@ def make_scheduled_value_and_grad(
                                   docs=docs)  # fm32 inside, as fp8_variables
             return (y, router_loss(stats)), stats
 
+        def chunk_vjp(w: Any, f: Any, x: jax.Array, docs: Any, chunk: jax.Array) -> tuple[Any, Any, dict]:
+            """((y, router loss), VJP function, stats) of chunk `chunk` (weights w [Lc, ...]) on x:
+            the VJP w.r.t. (w's masters, FP8 state, x) that B applies."""
+            return jax.vjp(lambda m, f, h: stage(_with_masters(w, m), f, h, docs, chunk), _masters(w), f, x,
+                           has_aux=True)
+
+        def kept_vjp(chunk: jax.Array, x: jax.Array, docs: Any, bufs: list, slot: jax.Array) -> Callable:
+            """The VJP function of chunk `chunk` on x, its residuals F's from slot `slot` of `bufs`:
+            the forward traced here again is dead code but what the weights alone give."""
+            _, vjp, _ = chunk_vjp(_at(weights, chunk, v), _at(fp8_all, chunk, v), x, docs, chunk)
+            leaves, tree = jax.tree.flatten(vjp)
+            res.made(leaves)  # (traced as plan's)
+            for i, buf in zip(res.kept, bufs):  # sliced here: a conditional's operand is a copy
+                leaves[i] = _get(buf, slot)
+            return jax.tree.unflatten(tree, leaves)
+
         unit = unit_fn(model, combined)
 
         def backward_by_unit(busy, chunk, x, ct, docs, g_w, new_fp8):
@@ -331,8 +358,24 @@ def make_scheduled_value_and_grad(
                             for k in ("segment_ids", "positions", "loss_mask"))
             return (seg, pos), lm
 
+        res = None  # which of a chunk VJP's residuals its microbatch's input made: kept from F to B
+        if keep:
+            # traced as F and B trace it: the weights, FP8 state, documents and chunk index closed
+            # over (B has them: the documents are its microbatch's), the input the argument
+            chunk0 = jax.lax.axis_index(PIPE) * 0  # traced, as the table's are
+            docs0 = docs_of(chunk0)[0]
+            res = residuals.plan(lambda x: jax.tree.leaves(chunk_vjp(_at(weights, chunk0, v), _at(fp8_all, chunk0, v), x,
+                                                                     docs0, chunk0)[1]),
+                                 (varying(zeros_x),), per_microbatch=(0,), varying=PIPE)
+            # Untyped residuals (a fused attention kernel's under remat none, which keeps_residuals
+            # already refuses) B would compute again from the stage input: the chain of units
+            # before each, about the whole forward (compiled for h100-8 with SP: 40% more tensor
+            # bytes). Then B recomputes the chunk, as under remat full, from its input alone.
+            if res.untyped:
+                res = None
+
         def tick(carry, row):
-            recv_f, unsent_b, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc = carry
+            recv_f, unsent_b, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc, kept = carry
             op = {k: a[s] for k, a in row.items()}  # this stage's row of the table
             # The previous tick's input cotangent is sent now, not at that tick's end: nothing
             # reads it before this tick's B, so F runs while it travels (at the tick's end only
@@ -350,20 +393,27 @@ def make_scheduled_value_and_grad(
             tokens_f = jax.lax.dynamic_index_in_dim(micro_tok, i_f, keepdims=False)
             inp = jax.lax.cond(first_f, lambda a: varying(embed(outer, a[0])), lambda a: a[1],
                                (tokens_f, _get(act, op["f_act"])))
-            act = _put(act, inp, op["f_act"])  # kept for the B (and W) that recompute from it
+            act = _put(act, inp, op["f_act"])  # kept for the B (and W): recomputed from, or a residual
 
             def forward(x):
-                # several chunks: each unit slices its own weights (a chunk's dynamic slice was a
-                # copy of its weights: _at_unit)
-                (y, r), stats = (stage(weights, fp8_all, x, docs_f, c_f, stacked=True) if v > 1 else
-                                 stage(_at(weights, c_f, v), _at(fp8_all, c_f, v), x, docs_f, c_f))
-                return y, r, {k: stats[k].astype(jnp.float32) for k in stat_shapes}
+                if res is not None:  # F keeps what its microbatch made of the VJP's residuals for its B
+                    (y, r), vjp, stats = chunk_vjp(_at(weights, c_f, v), _at(fp8_all, c_f, v), x, docs_f, c_f)
+                    made = res.made(jax.tree.leaves(vjp))
+                else:
+                    # several chunks: each unit slices its own weights (a chunk's dynamic slice
+                    # was a copy of its weights: _at_unit)
+                    (y, r), stats = (stage(weights, fp8_all, x, docs_f, c_f, stacked=True) if v > 1 else
+                                     stage(_at(weights, c_f, v), _at(fp8_all, c_f, v), x, docs_f, c_f))
+                    made = []
+                return y, r, {k: stats[k].astype(jnp.float32) for k in stat_shapes}, made
 
             def no_forward(x):
                 return (jnp.zeros_like(x), varying(jnp.zeros((), jnp.float32)),
-                        {k: varying(jnp.zeros(shape, jnp.float32)) for k, shape in stat_shapes.items()})
+                        {k: varying(jnp.zeros(shape, jnp.float32)) for k, shape in stat_shapes.items()},
+                        res.zeros() if res is not None else [])
 
-            out, r_value, stats = jax.lax.cond(f_busy, forward, no_forward, inp)
+            out, r_value, stats, made = jax.lax.cond(f_busy, forward, no_forward, inp)
+            kept = [_put(buf, a, op["f_res"]) for buf, a in zip(kept, made)]  # an idle F's: a free slot
             acc = _add_at(acc, c_f, stats, v)
             # the loss head after the last chunk on the last stage, straight into its cotangent
             targets = jax.lax.dynamic_index_in_dim(micro_t, i_f, keepdims=False)
@@ -392,8 +442,13 @@ def make_scheduled_value_and_grad(
             docs_b, _ = docs_of(i_b)
 
             def backward(args):
-                x, ct = args
+                x, ct, bufs = args
                 w_b, f_b = _at(weights, c_b, v), _at(fp8_all, c_b, v)
+                if res is not None:
+                    d_w, d_fp8, dx = kept_vjp(c_b, x, docs_b, bufs, op["b_res"])((ct, ones()))
+                    if tab.split:  # the weights' gradients are W's: unused here, not computed
+                        d_w = jax.tree.map(jnp.zeros_like, d_w)
+                    return d_w, d_fp8, dx
                 if tab.split:
                     _, vjp = jax.vjp(lambda f, h: stage(w_b, f, h, docs_b, c_b)[0], f_b, x)
                     d_fp8, dx = vjp((ct, ones()))
@@ -411,7 +466,8 @@ def make_scheduled_value_and_grad(
                                                     docs_b, g_w, new_fp8)
             else:
                 d_w, d_fp8, dx = jax.lax.cond(b_busy, backward, no_backward,
-                                              (_get(act, op["b_act"]), _get(cot, op["b_cot"])))
+                                              (_get(act, op["b_act"]), _get(cot, op["b_cot"]),
+                                               kept))
                 if not tab.split:  # weight gradients accumulate in float32 whatever the compute dtype
                     g_w = _add_at(g_w, c_b, d_w, v)
                 new_fp8 = _add_at(new_fp8, c_b, d_fp8, v, jnp.maximum)
@@ -431,7 +487,9 @@ def make_scheduled_value_and_grad(
                 docs_w, _ = docs_of(i_w)
 
                 def weight_grad(args):
-                    x, ct = args
+                    x, ct, bufs = args
+                    if res is not None:  # F's residuals, the input-gradient chain again, the weights' gradients
+                        return kept_vjp(c_w, x, docs_w, bufs, op["w_res"])((ct, ones()))[0]
                     f_w, w_w = _at(fp8_all, c_w, v), _at(weights, c_w, v)
                     _, vjp = jax.vjp(lambda w: stage(_with_masters(w_w, w), f_w, x, docs_w, c_w)[0], _masters(w_w))
                     return vjp((ct, ones()))[0]
@@ -439,13 +497,14 @@ def make_scheduled_value_and_grad(
                 def no_weight_grad(args):
                     return jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v))
 
-                d_w = jax.lax.cond(w_busy, weight_grad, no_weight_grad, (_get(act, op["w_act"]), _get(cot, op["w_cot"])))
+                d_w = jax.lax.cond(w_busy, weight_grad, no_weight_grad,
+                                   (_get(act, op["w_act"]), _get(cot, op["w_cot"]), kept))
                 g_w = _add_at(g_w, c_w, d_w, v)
             g_outer = jax.tree.map(jnp.add, g_outer, d_outer)
             new_head_fp8 = jax.tree.map(jnp.maximum, new_head_fp8, d_head_fp8)
             sent_f = send_along(out, fwd_ring)
             return (sent_f, dx, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce + value, router + r_value,
-                    acc), None
+                    acc, kept), None
 
         init = (
             zeros_x, zeros_x,
@@ -458,9 +517,14 @@ def make_scheduled_value_and_grad(
         init = jax.tree.map(varying, init)  # loop carries vary everywhere
         # ... but the FP8 states vary as the state itself does: over `pipe` only (fp8.quantize's pmax)
         init = (*init[:6], _nothing_like(fp8_all), _nothing_like(head_fp8), *init[8:])
+        # ... and the kept residuals as each residual does, `pipe` always (residuals.plan keeps no
+        # other): a residual of an FP8 state's custom VJP typed as varying over the batch axes made
+        # its state's cotangent vary over them
+        init = (*init, [vary(jnp.zeros((tab.res_slots, *a.shape), a.dtype), sorted(varying_axes(a))) for a in res.zeros()]
+                if res is not None else [])
         rows = {k: jnp.asarray(a) for k, a in tab.arrays.items()}  # [ticks, P] each
         carry, _ = jax.lax.scan(tick, init, rows)
-        _, _, _, _, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc = carry
+        _, _, _, _, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc, _ = carry
         g_w = jax.tree.map(lambda g, spec: _reduce(g, spec, manual), g_w, layer_specs,
                            is_leaf=lambda a: isinstance(a, P))
         # (over the batch axes, then over `pipe`: one reduction over both would be one all-reduce

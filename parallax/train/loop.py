@@ -306,7 +306,8 @@ class StepRecord:
 
     def __init__(self, cfg: Config, built):
         from parallax.train.metrics import NoiseScale, peak_flops
-        from parallax.schedules import COMPILED_COSTS
+        from parallax.parallelism import REMATS, SCHEDULES, keeps_residuals
+        from parallax.schedules import COMPILED_COSTS, KEPT_COSTS
         from parallax.model.transformer import flops_per_token
 
         t = cfg.train
@@ -321,9 +322,14 @@ class StepRecord:
         self.bubble = self.schedule.bubble_fraction if self.schedule is not None else None
         self.ticks = self.schedule.ticks if self.schedule is not None else None
         # table schedules: the same table with its ticks in lockstep under the compiled op costs
-        # (schedules.COMPILED_COSTS: ZB-H1's B and W each recompute the stage)
-        self.bubble_compiled = (self.schedule.bubble_fraction_at(COMPILED_COSTS[self.schedule.name])
-                                if self.schedule is not None and self.schedule.own_gradients else None)
+        # (schedules.COMPILED_COSTS: ZB-H1's B and W each recompute the stage; KEPT_COSTS where
+        # they start from F's residuals)
+        self.bubble_compiled = None
+        if self.schedule is not None and self.schedule.own_gradients:
+            kept = keeps_residuals(SCHEDULES.index(self.schedule.name), REMATS.index(cfg.parallel.remat),
+                                   built.layout.model.attend is not None)
+            costs = (KEPT_COSTS if kept else COMPILED_COSTS)[self.schedule.name]
+            self.bubble_compiled = self.schedule.bubble_fraction_at(costs)
         # Gradient noise scale: per-shard (B / batch shards sequences) and global-batch gradient
         # norms, EMA-smoothed here; restarts on resume (the EMA is not checkpointed).
         self.noise = NoiseScale() if t.noise_scale else None
