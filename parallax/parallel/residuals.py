@@ -13,7 +13,7 @@ Megatron's 1F1B does 3). Keeping `jax.vjp`'s residuals from F instead needs them
 `plan` reads the split off the jaxpr of the residuals (a dependence walk from the per-microbatch
 arguments, into scans, checkpoints and calls); B traces the same VJP again, takes the kept
 residuals from the buffer and the rest from its own trace, and the compiler drops the forward
-whose residuals B did not use (checked in tests/test_pipeline.py by the compiled FLOPs).
+whose residuals B did not use (checked in tests/test_cost_validation.py by the compiled FLOPs).
 """
 
 from __future__ import annotations
@@ -105,10 +105,10 @@ def plan(residual_leaves: Callable[..., list[jax.Array]], args: tuple, per_micro
     kernel's residuals are untyped (fused_attention.py), and read back typed their custom VJP
     refuses them.)
 
-    The caller traces its VJPs as `residual_leaves` does: what it passes as arguments there, and
-    what it closes over. (JAX merges residuals that are one closed-over value's, not an
-    argument's: rotary tables from a packed microbatch's positions had 4 leaves in a tick that
-    closed over them and 8 in a plan that took them as arguments.)"""
+    The caller traces its VJPs as `residual_leaves` does: the same closures, traced values where
+    the caller's are traced. (A static microbatch index where the tick's was traced made a slice
+    of a dynamic slice, and JAX kept a packed microbatch's rotary tables as 8 residuals in the
+    plan and merged them into 4 in the tick: `Residuals.made` refuses such a trace.)"""
     closed = jax.make_jaxpr(residual_leaves)(*args)
     jaxpr = closed.jaxpr
     flat = [jax.tree.leaves(a) for a in args]
