@@ -63,11 +63,13 @@ NONE, FULL, DOTS, SAVE_ATTN_MLP, SAVE_ATTN_MLP_OFFLOAD = range(5)
 KEEPS_RESIDUALS = (NONE, DOTS, SAVE_ATTN_MLP)
 
 
-def keeps_residuals(schedule: Any, remat: Any, fused: Any = False) -> Any:
-    """Does a table schedule run B (and W) from F's residuals? Element-wise over codes. Not under
-    remat none with a fused attention kernel (`fused`): the kernel's residuals are untyped in the
-    stage (fused_attention.py) and B would compute them again from the stage input, about the
-    whole forward (pipeline_1f1b drops them on seeing them)."""
+def keeps_residuals(schedule: Any, remat: Any, attention: str = "xla") -> Any:
+    """Does a table schedule run B (and W) from F's residuals? Element-wise over codes; the one
+    rule the pipeline, the step record, the cost model and the planner read. `attention`: the
+    kernel the stage runs (attention_kernel). Not under remat none with a fused kernel (anything
+    but 'xla'): its residuals are untyped in the stage (fused_attention.py) and B would compute
+    them again from the stage input, about the whole forward."""
+    fused = attention != "xla"
     return own_gradients(schedule) & np.isin(remat, KEEPS_RESIDUALS) & ~((np.asarray(remat) == NONE) & fused)
 
 

@@ -98,10 +98,10 @@ class _Terms:
         self.add(("tensor",), "reduce-scatter", what, nbytes / s.t, execs, on & rs, "exposed", static, s.t)
 
 
-def collective_terms(w: Workload, g: Grid, platform: str = "accelerator", attention: str | None = None) -> list[Term]:
+def collective_terms(w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla") -> list[Term]:
     """Every collective family of one step, per device, family by family (tensor, expert, pipe,
     data: the order audit.py and plan.py have always read). Terms of size 0 are kept (zero bytes).
-    `attention`: the kernel the step runs where the caller resolved it (Dims)."""
+    `attention`: the kernel the step runs (parallelism.attention_kernel; Dims)."""
     if w.grad_accum > 1:
         return _accumulated_terms(w, g, platform)
     s = Dims(w, g, platform, attention)

@@ -124,7 +124,7 @@ class Dims:
     only) and the rest (attention, dense MLPs, norms, the replicated float32 router, shared experts).
     """
 
-    def __init__(self, w: Workload, g: Grid, platform: str = "accelerator", attention: str | None = None):
+    def __init__(self, w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla"):
         m = w.model
         self.w, self.g = w, g
         self.D, self.L, self.N, self.K, self.F, self.V = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
@@ -145,12 +145,9 @@ class Dims:
         self.zb = self.piped & (self.sched == ZB_H1)  # the backward split: B and W each recompute
         # the table schedules keep F's residuals for B (and W) where the remat policy keeps more
         # than the unit inputs (parallelism.keeps_residuals, parallel/residuals.py): B recomputes
-        # what the policy recomputes, not the chunk's forward
-        # (a fused attention kernel: `attention` where the caller resolved it, else the model's
-        # choice on this platform, `auto` fused on every accelerator)
-        fused = (attention not in (None, "xla") if attention is not None else
-                 m.attention in ("cudnn", "splash") or (m.attention == "auto" and platform != "cpu"))
-        self.keep = self.piped & keeps_residuals(self.sched, self.remat, fused)
+        # what the policy recomputes, not the chunk's forward. `attention`: the kernel the stage
+        # runs, as the caller resolved it (parallelism.attention_kernel, or the audit's reading)
+        self.keep = self.piped & keeps_residuals(self.sched, self.remat, attention)
         # ... and under remat full and its offload they recompute the chunk from its input
         self.rerun_chunk = self.f1b & ~self.keep
         self.ticks = ticks(self.sched, p, self.M, self.r)
@@ -305,7 +302,7 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     """
     if w.grad_accum > 1:
         parts = memory_parts(w.microstep, g, platform, attention)
-        s = Dims(w, g, platform)
+        s = Dims(w, g, platform, attention)
         parts["accumulator"] = 4 * s.params_t / np.where(s.zero == 3, s.d, 1)
         parts["batch"] = parts["batch"] * w.grad_accum
         parts["total"] = parts["total"] + parts["accumulator"] + parts["batch"] * (1 - 1 / w.grad_accum)

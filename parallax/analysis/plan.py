@@ -145,7 +145,7 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     # Table schedules skip idle work, so their busy work is stretched by their bubble: the table's,
     # ticks in lockstep under the compiled op costs (schedules.COMPILED_COSTS, or KEPT_COSTS where B
     # and W start from F's residuals; 1F1B and interleaved: the formula, ZB-H1: more than the paper's)
-    lockstep = lockstep_bubble(sched, p, m_, g.repeats, keeps_residuals(sched, g.remat, attention != "xla"))
+    lockstep = lockstep_bubble(sched, p, m_, g.repeats, keeps_residuals(sched, g.remat, attention))
     stretch = np.where(f1b, 1 / (1 - np.where(f1b, lockstep, 0)), 1.0)
     t_compute = t_blocks * stretch + (hw["head"] + hw["embedding"] + hw["optimizer"]) / rate
     strides = {"tensor": 1, "expert": t, "data": t * e, "pipe": t * e * d}  # device order: tensor innermost

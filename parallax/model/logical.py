@@ -166,7 +166,11 @@ def pin(names: tuple[str | None, ...]) -> Pin:
 
 def varying_axes(x: jax.Array) -> frozenset:
     """The manual shard_map axes x varies over (empty outside shard_map)."""
-    aval = jax.typeof(x)
+    return aval_varying_axes(jax.typeof(x))
+
+
+def aval_varying_axes(aval: Any) -> frozenset:
+    """varying_axes of an abstract value (a jaxpr's avals)."""
     mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 

@@ -95,7 +95,7 @@ from parallax.model.layers import CastWeight, QuantizedWeight
 from parallax.model.transformer import Transformer, moe_stat_shapes
 from parallax.model.logical import entry_axes, keep_axes, spec_axes, vary, varying_axes
 from parallax.parallel.mesh import DATA, PIPE
-from parallax.parallelism import REMATS, SCHEDULES, Schedule, keeps_residuals
+from parallax.parallelism import Schedule
 from parallax.parallel.pipeline import (gather_stage_weights, manual_over, send_along, stage_fn, stage_placement,
                                        to_layer_major, to_stages, unit_fn, unit_mask, with_batch_amaxes)
 from parallax.parallel.pipeline_tables import as_masters, carried_tables, reduce_table, table_out_spec, to_update
@@ -218,7 +218,7 @@ def make_scheduled_value_and_grad(
     by_unit = not tab.split and model.remat == "full"
     # B (and W) from F's residuals (residuals.py) where the remat policy keeps more than the
     # unit inputs (parallelism.keeps_residuals): F's forward is not run again
-    keep = bool(keeps_residuals(SCHEDULES.index(sched.name), REMATS.index(model.remat), model.attend is not None))
+    keep = residuals.keeps(model, sched)
     manual = {PIPE, *BATCH_AXES}
     c = model.cfg
     units = sched.units or c.n_layers
@@ -367,8 +367,9 @@ def make_scheduled_value_and_grad(
             res = residuals.plan(lambda x: jax.tree.leaves(chunk_vjp(_at(weights, chunk0, v), _at(fp8_all, chunk0, v), x,
                                                                      docs0, chunk0)[1]),
                                  (varying(zeros_x),), per_microbatch=(0,), varying=PIPE)
-            # Untyped residuals (a fused attention kernel's under remat none, which keeps_residuals
-            # already refuses) B would compute again from the stage input: the chain of units
+            # Untyped residuals (residuals.plan's `untyped`: a fused attention kernel's under remat
+            # none, which keeps_residuals already refuses; a kernel the rule does not know, in a
+            # model made by hand) B would compute again from the stage input: the chain of units
             # before each, about the whole forward (compiled for h100-8 with SP: 40% more tensor
             # bytes). Then B recomputes the chunk, as under remat full, from its input alone.
             if res.untyped:

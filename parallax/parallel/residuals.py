@@ -18,7 +18,6 @@ whose residuals B did not use (checked in tests/test_cost_validation.py by the c
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,24 +25,28 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from parallax.model.logical import vary
+from parallax.model.logical import aval_varying_axes, vary
+from parallax.parallelism import REMATS, SCHEDULES, Schedule, keeps_residuals
+
+
+def keeps(model: Any, sched: Schedule) -> bool:
+    """Whether table schedule `sched`'s B (and W) start from F's residuals for `model` (a
+    Transformer): parallelism.keeps_residuals for its remat policy and the attention kernel it
+    runs (its `attend`, fused_attention.make_attend; None: XLA's). The pipeline (pipeline_1f1b)
+    and the step record's compiled-cost bubble (train/loop.py) both read it here."""
+    kernel = model.attend.kernel if model.attend is not None else "xla"
+    return bool(keeps_residuals(SCHEDULES.index(sched.name), REMATS.index(model.remat), kernel))
 
 
 @dataclass(frozen=True)
 class Residuals:
     """Which leaves of a VJP's residuals (jax.tree.leaves of the vjp function) a microbatch made:
-    `kept` their indices; `shapes`, `dtypes` and `axes` (the manual axes each varies over)."""
+    `kept` their indices, `axes` the manual axes each kept one varies over."""
 
     leaves: tuple[tuple[tuple[int, ...], Any], ...]  # every leaf's (shape, dtype), in order
     kept: tuple[int, ...]
     untyped: int  # leaves the input made but not typed as varying over the axis asked (not kept)
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[Any, ...]
     axes: tuple[frozenset, ...]
-
-    @property
-    def bytes(self) -> int:
-        return sum(math.prod(s) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
 
     def made(self, leaves: list) -> list:
         """The kept leaves of a VJP function traced where `plan` was (the same closures)."""
@@ -55,7 +58,7 @@ class Residuals:
 
     def zeros(self) -> list[jax.Array]:
         """The kept leaves of an idle tick: zeros, typed (varying) as the real ones."""
-        return [vary(jnp.zeros(s, d), sorted(a)) for s, d, a in zip(self.shapes, self.dtypes, self.axes)]
+        return [vary(jnp.zeros(*self.leaves[i]), sorted(a)) for i, a in zip(self.kept, self.axes)]
 
 
 def _sub_jaxprs(eqn: Any) -> list[Any]:
@@ -116,13 +119,7 @@ def plan(residual_leaves: Callable[..., list[jax.Array]], args: tuple, per_micro
     made = _depends(jaxpr, marks)
     passed = set(jaxpr.invars)
     new = [i for i, (d, v) in enumerate(zip(made, jaxpr.outvars)) if d and not (isinstance(v, jcore.Var) and v in passed)]
-    kept = tuple(i for i in new if varying is None or varying in _axes(closed.out_avals[i]))
-    avals = [closed.out_avals[i] for i in kept]
-    every = tuple((tuple(a.shape), a.dtype) for a in closed.out_avals)
-    return Residuals(every, kept, len(new) - len(kept), tuple(a.shape for a in avals), tuple(a.dtype for a in avals),
-                     tuple(_axes(a) for a in avals))
-
-
-def _axes(aval: Any) -> frozenset:
-    mat = getattr(aval, "manual_axis_type", None)  # as logical.varying_axes reads a value's
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+    avals = closed.out_avals
+    kept = tuple(i for i in new if varying is None or varying in aval_varying_axes(avals[i]))
+    every = tuple((tuple(a.shape), a.dtype) for a in avals)
+    return Residuals(every, kept, len(new) - len(kept), tuple(aval_varying_axes(avals[i]) for i in kept))

@@ -306,7 +306,7 @@ class StepRecord:
 
     def __init__(self, cfg: Config, built):
         from parallax.train.metrics import NoiseScale, peak_flops
-        from parallax.parallelism import REMATS, SCHEDULES, keeps_residuals
+        from parallax.parallel.residuals import keeps
         from parallax.schedules import COMPILED_COSTS, KEPT_COSTS
         from parallax.model.transformer import flops_per_token
 
@@ -326,8 +326,7 @@ class StepRecord:
         # they start from F's residuals)
         self.bubble_compiled = None
         if self.schedule is not None and self.schedule.own_gradients:
-            kept = keeps_residuals(SCHEDULES.index(self.schedule.name), REMATS.index(cfg.parallel.remat),
-                                   built.layout.model.attend is not None)
+            kept = keeps(built.layout.model, self.schedule)
             costs = (KEPT_COSTS if kept else COMPILED_COSTS)[self.schedule.name]
             self.bubble_compiled = self.schedule.bubble_fraction_at(costs)
         # Gradient noise scale: per-shard (B / batch shards sequences) and global-batch gradient
