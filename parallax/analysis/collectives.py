@@ -165,28 +165,39 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
     # Per unit: 2 per dense block; an MoE block all-reduces its attention output and (shared
     # experts) the shared MLP's; its expert output is _moe_tensor_terms'.
     per_unit = 2 * (s.unit - s.moe) + s.moe * (1 + int(s.S > 0))
-    # table schedules: every chunk call recomputed (ZB-H1: in B and again in W, whose weight
-    # gradients also need the input-gradient chain: the backward's partial sums twice)
-    reruns = s.M * s.r * (1 + s.zb)
+    # Recomputed blocks, as cost.hardware_flops_per_device counts them: a table schedule's rerun B
+    # (Dims.rerun_chunk) runs the chunk's forward (ZB-H1: in B and again in W, whose weight
+    # gradients also need the input-gradient chain: the backward's partial sums twice), the
+    # first n - 1 units under remat full outside ZB-H1 (Dims.by_unit), none of a one-unit chunk
+    # under remat full; every B (and W) recomputes what the remat policy does besides.
+    n = s.Lc / s.unit
+    chunk_blocks = np.where(s.by_unit, s.Lc - s.unit, (1 + s.zb) * np.where((s.remat == FULL) & (n == 1), 0, s.Lc))
+    chunk_runs = np.where(s.rerun_chunk, s.M * s.r * chunk_blocks, 0)  # blocks per step
+    # (the chunk forward's last partial sum is dead when its one block is unrolled)
+    chunk_sums = np.where(s.rerun_chunk, 2 * chunk_runs - s.M * s.r * (1 + s.zb) * ((s.Lc == 1) & (chunk_blocks > 0)), 0)
     # (remat full with sequence parallelism on the GPU and TPU compilers, the chunk's units run as
     # a loop of more than 2 trips: the last block's dead partial sum is recomputed too, as a
     # reduce-scatter: 96 per step at 16 layers compiled for h100-16 where 80 were counted, from 3
     # layers up; at 2 the loop is unrolled and it is dropped, as XLA:CPU and either compiler
     # without SP drop it; under save_attn_mlp nothing is recomputed there)
-    dead = np.where(s.sp & (not s.cpu) & (s.Lc / s.unit > 2), 1, 0)
-    # (from F's residuals, Dims.keep: what the remat policy recomputes, in ZB-H1's B and W each)
+    # (not in backward_by_unit's per-unit VJPs: each unit's output is dead there, unrolled or not)
+    dead = np.where(s.sp & (not s.cpu) & (s.Lc / s.unit > 2) & ~s.by_unit, 1, 0)
+    # what the remat policy recomputes, in ZB-H1's B and W each
     policy_runs = s.policy_runs * (1 + s.zb)
-    recompute = np.where(s.rerun_chunk, reruns * (2 * s.Lc - (s.Lc == 1)),
-                         np.select([s.remat == FULL, s.remat >= SAVE_ATTN_MLP],
-                                   [policy_runs * (2 * s.unit - 1 + dead), policy_runs * (s.unit - 1)], 0))
+    recompute = chunk_sums + np.select([s.remat == FULL, s.remat >= SAVE_ATTN_MLP],
+                                       [policy_runs * (2 * s.unit - 1 + dead), policy_runs * (s.unit - 1)], 0)
     for what, n in (("block forward (2 per layer)", per_unit * s.busy_units),
                     ("block backward (2 per layer)", per_unit * s.busy_units * (1 + s.zb)),
                     ("block recomputation", recompute)):
         out.partial_sum(s, what, s.act_run / halves, n * halves, on_t, n * halves * s.static_scale)
     gathers = 2 * s.busy_layers * halves
-    regathers = 2 * np.where(s.rerun_chunk, reruns * s.Lc, np.where(s.remat != NONE, policy_runs * s.unit, 0)) * halves
+    # ZB-H1's W gathers the output cotangents again: both of a block's under remat none and full,
+    # one under save_attn_mlp, none under dots (compiled for h100-8 with SP, 4 and 8 layers a
+    # stage; why the policies differ was not read out of the HLO)
+    w_gathers = np.select([(s.remat == NONE) | (s.remat == FULL), s.remat >= SAVE_ATTN_MLP], [1.0, 0.5], 0.0)
+    regathers = 2 * (chunk_runs + np.where(s.remat != NONE, policy_runs * s.unit, 0)) * halves
     for what, n in (("sequence-parallel norm gathers forward (2 per layer)", gathers),
-                    ("sequence-parallel cotangent gathers backward (2 per layer)", gathers),
+                    ("sequence-parallel cotangent gathers backward (2 per layer)", gathers * (1 + s.zb * w_gathers)),
                     ("sequence-parallel norm gathers recomputed", regathers)):
         out.add(("tensor",), "all-gather", what, s.act_run / halves, n, on_t & s.sp, "exposed", n * s.static_scale, s.t)
     out.add(("tensor",), "all-reduce", "sequence-parallel norm-scale gradients", 4 * s.unit_norms,

@@ -150,6 +150,11 @@ class Dims:
         self.keep = self.piped & keeps_residuals(self.sched, self.remat, attention)
         # ... and under remat full and its offload they recompute the chunk from its input
         self.rerun_chunk = self.f1b & ~self.keep
+        # remat full outside ZB-H1 (pipeline_1f1b's backward_by_unit): B runs the chunk's first
+        # n - 1 units for their outputs (the units' inputs), then each unit's VJP recomputes it
+        # again; elsewhere a rerun B is the chunk's VJP (its forward, and inside it what the
+        # policy recomputes)
+        self.by_unit = self.rerun_chunk & ~self.zb & (self.remat == FULL)
         self.ticks = ticks(self.sched, p, self.M, self.r)
         self.rows = w.global_batch / self.dp  # rows per batch shard
         self.tok = self.rows * self.T  # tokens per batch shard
@@ -522,16 +527,21 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     # MoE block the experts' output projection (the combine's backward needs their outputs).
     saved = s.unit * (2 * s.D * s.H * (s.N + 2 * s.K) + attn * s.N * s.H * s.T) + (s.unit - 1) * wo \
         + s.moe * s.slots_tok * 2 * s.D * s.Fe
-    # ZB-H1 recomputing the chunk (remat full): B and W each recompute the stage, and W runs the
-    # input-gradient chain again (the weights' gradients of a unit need the cotangent of its
-    # output): 2 recomputes + about 1 fwd (a unit's input-gradient matmuls cost its forward's).
-    # From F's residuals (Dims.keep) B recomputes what the remat policy does and no more; ZB-H1's
-    # W does it again and runs the input-gradient chain again (about 1 fwd).
-    stage_rerun = fwd - dead * s.unit / s.Lc
+    # Per unit, what B (and ZB-H1's W) compute again (Dims.rerun_chunk, Dims.by_unit):
+    #   - what the remat policy recomputes, in every B (and W);
+    #   - recomputing the chunk: its forward from its input, the last unit's dead matmul dropped
+    #     (ZB-H1: in B and again in W); under remat full outside ZB-H1, the first n - 1 of the
+    #     chunk's n units, whose outputs are the next units' inputs;
+    #   - ZB-H1: W runs the input-gradient chain again (the weights' gradients of a unit need the
+    #     cotangent of its output), about 1 fwd (a unit's input-gradient matmuls cost its forward's).
+    # (Compiled for h100-8, 1F1B remat full at 4 and 8 layers per stage: -19% and -18% FLOPs when
+    # a rerun B was counted as one forward of the chunk and no more: 2026-12-07.)
+    n = s.Lc / s.unit  # units per chunk
+    # (under remat full a one-unit chunk's forward is dead in its VJP, its input the one residual)
+    chunk_fwd = np.where((s.remat == FULL) & (n == 1), 0, fwd - dead / n)
+    stage_rerun = np.where(s.by_unit, fwd * (n - 1) / n, (1 + s.zb) * chunk_fwd)
     policy = np.select([s.remat == FULL, s.remat == DOTS, s.remat >= SAVE_ATTN_MLP], [fwd - dead, s.moe * experts, saved], 0)
-    policy = policy * (1 + s.zb)  # ZB-H1: in B and again in W
-    recompute = np.select([s.zb & s.rerun_chunk, s.rerun_chunk, s.zb], [2 * stage_rerun + fwd, stage_rerun, fwd + policy],
-                          policy)
+    recompute = np.where(s.rerun_chunk, stage_rerun, 0) + policy * (1 + s.zb) + s.zb * fwd
     # attention in query blocks (parallel.attention_chunk): each block is checkpointed, so its
     # scores and values are computed once more in the backward pass, under any remat policy
     recompute = recompute + (s.query_rows < s.T) * s.unit * attn * s.N * s.H * s.T

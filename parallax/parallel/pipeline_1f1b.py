@@ -317,10 +317,14 @@ def make_scheduled_value_and_grad(
             n = jax.tree.leaves(weights)[0].shape[1]
             pick = lambda tree, l: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, l, keepdims=False), tree)  # noqa: E731
 
-            def inputs(x):  # [n, b, T, D]: each unit's input
+            def inputs(x):  # [n, b, T, D]: each unit's input. The last unit's output is no unit's
+                # input: the loop runs n - 1 units (over all n it ran a whole unit's forward more
+                # per B, which XLA cannot drop from a loop trip: compiled for h100-8, 2026-12-07)
                 step = lambda h, xs: (  # noqa: E731
                     unit(_at_unit(weights, chunk, xs[0], v), _as_meta(xs[1]), xs[2], docs, h)[0], h)
-                return jax.lax.scan(step, x, (jnp.arange(n), f_c, mask))[1]
+                head = jax.tree.map(lambda a: a[:n - 1], (jnp.arange(n), f_c, mask))
+                last, before = jax.lax.scan(step, x, head)
+                return jnp.concatenate([before, last[None]])
 
             hs = jax.lax.cond(busy, inputs, lambda x: varying(jnp.zeros((n, *x.shape), x.dtype)), x)
 
