@@ -50,7 +50,9 @@ TABLE_COSTS = {"1f1b": {"F": 1, "B": 2, "W": 0}, "interleaved_1f1b": {"F": 1, "B
 # The same ops as compiled here (forward units): 1F1B's B recomputes the chunk then runs its
 # backward (3); ZB-H1's B recomputes and runs the input gradient (2), its W recomputes and runs
 # the input-gradient chain again (a unit's weight gradient needs its output's cotangent) and the
-# weight gradients (3).
+# weight gradients (3). (Under remat full each unit's VJP recomputes that unit once more, about
+# one forward more per B and W from two units a chunk up: the matmul FLOPs the cost model counts,
+# cost.hardware_flops_per_device; these tick costs leave it out.)
 COMPILED_COSTS = {"1f1b": {"F": 1, "B": 3, "W": 0}, "interleaved_1f1b": {"F": 1, "B": 3, "W": 0},
                   "zb_h1": {"F": 1, "B": 2, "W": 3}}
 # ... and where B and W start from F's residuals (parallelism.keeps_residuals, remat none): 1F1B's

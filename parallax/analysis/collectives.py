@@ -158,8 +158,8 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
     `save_attn_mlp` keeps the attention output (after its all-reduce), so only the MLP output of
     every block but a unit's last is recomputed (with its all-reduce); every recomputed block
     gathers its norm outputs again, under `dots` and `save_attn_mlp` too, norms not being dots);
-    pipeline_1f1b.make_scheduled_value_and_grad's `backward`, which always recomputes the stage
-    forward inside its vjp (one all-reduce fewer when Lc == 1); Dims.halves and Dims.static_scale.
+    pipeline_1f1b's B and W (from F's residuals; or recomputing the chunk: its VJP, or under remat
+    full backward_by_unit's first n - 1 units and each unit's VJP); Dims.halves and Dims.static_scale.
     """
     on_t, halves = s.t > 1, s.halves
     # Per unit: 2 per dense block; an MoE block all-reduces its attention output and (shared
