@@ -6,8 +6,8 @@ Compiles the train step of a tiny bf16 model (d 128, 4 heads on 2 kv heads, d_ff
 256) on data 2 x tensor 2 x pipe 2, M = 4, ZeRO-1, 16 x 64 tokens, for a compile-only target
 (nothing runs: "compiled for TARGET, not run"), one line per case
 `schedule:repeats:remat:layers:attention[:sp]`. Each line gives the step's matmul FLOPs per
-device read from the HLO (hlo.dot_flops; a table schedule's tick branches are counted on every
-tick, and M x v of them are busy) beside the cost model's, and the model's error on the tensor
+device read from the HLO (audit.executed_dot_flops: a table schedule's tick branches counted
+once per busy tick) beside the cost model's, and the model's error on the tensor
 bytes the audit reads. The recomputation differs by remat policy and chunk length
 (pipeline_1f1b's backward_by_unit under remat full, the chunk's VJP elsewhere, ZB-H1's B and W),
 so these are the rows to read when either changes.
@@ -22,7 +22,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices need no ba
 
 from parallax.analysis.audit import FAST_COMPILE, audit  # noqa: E402
 from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from parallax.schedules import Schedule  # noqa: E402
 
 CASES = ("1f1b:1:full:4:xla:sp,1f1b:1:full:8:xla:sp,interleaved_1f1b:2:full:8:xla:sp,zb_h1:1:full:4:xla,"
          "zb_h1:1:full:4:xla:sp,zb_h1:1:full:8:xla:sp,zb_h1:1:none:4:xla:sp,zb_h1:1:dots:8:xla:sp,"
@@ -43,11 +42,7 @@ def main() -> None:
         cfg = Config(mesh=MeshConfig(data=2, tensor=2, pipe=2), model=model, parallel=parallel,
                      train=TrainConfig(global_batch=16, seq_len=64))
         a = audit(cfg, FAST_COMPILE, args.target)
-        dots, flops = a["flops"]["hlo_dots"], a["flops"]["executed_model"]
-        busy = parallel.microbatches * parallel.repeats
-        ticks = Schedule(2, parallel.microbatches, parallel.repeats, schedule).ticks
-        # the loss head's branch is busy M times, not M x v (tests/test_cost_validation.py)
-        measured = dots["total"] - dots["conditional"] * (1 - busy / ticks) - flops["head"] * (parallel.repeats - 1)
+        flops, measured = a["flops"]["executed_model"], a["flops"]["hlo_executed"]  # audit.executed_dot_flops
         print(f"{case:38s} compiled for {args.target}, not run ({a['attention']['kernel']} attention): matmul "
               f"{measured / 1e6:9.2f} MFLOP per device, model {flops['total'] / 1e6:9.2f} "
               f"({flops['total'] / measured - 1:+.1%}); tensor bytes {a['axes']['tensor']['error']:+.1%}")

@@ -18,7 +18,6 @@ import pytest
 
 from parallax.analysis.audit import FAST_COMPILE, audit
 from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
-from parallax.parallelism import Schedule
 
 # tests/test_audit.py's layouts: the same Config objects hit the same compile.
 AUDIT_MODEL = ModelConfig(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256)
@@ -89,16 +88,7 @@ def test_memory_matches_xla_memory_analysis(audited):
 
 def test_executed_matmul_flops_match_the_hlo(audited):
     name, a = audited
-    dots = a["flops"]["hlo_dots"]
     predicted = a["flops"]["executed_model"]["total"]
-    if dots["conditional"]:  # table schedules: branches counted on every tick; M x v of them are busy
-        mesh, parallel, _, _ = LAYOUTS[name]
-        sched = Schedule(mesh.pipe, parallel.microbatches, parallel.repeats, parallel.schedule)
-        busy = parallel.microbatches * parallel.repeats
-        measured = dots["total"] - dots["conditional"] * (1 - busy / sched.ticks)
-        # ... but the loss head's branch is busy M times, not M x v (the last chunk only): its
-        # over-count here is the model's head FLOPs x (v - 1) (0 but for interleaved)
-        measured -= a["flops"]["executed_model"]["head"] * (parallel.repeats - 1)
-    else:
-        measured = dots["total"]
+    # table schedules: the branches counted on every tick, M x v of them busy (audit.executed_dot_flops)
+    measured = a["flops"]["hlo_executed"]
     assert abs(predicted / measured - 1) <= FLOPS_TOL, (name, predicted, measured)

@@ -227,6 +227,22 @@ def compare_collectives(found: list[Collective], terms: list, placed: dict | Non
     return rows
 
 
+def executed_dot_flops(dots: dict, cfg: Config, head: float) -> float:
+    """The matmul FLOPs one device executes per step, from hlo.dot_flops' count. A table schedule's
+    tick branches are counted there on every tick; M x v of them are busy, but the loss head's,
+    busy M times (the last chunk only): `head`, the model's head FLOPs, is taken off v - 1 times."""
+    from parallax.schedules import Schedule
+
+    p = cfg.parallel
+    if cfg.mesh.pipe == 1:
+        return dots["total"]
+    sched = Schedule(cfg.mesh.pipe, p.microbatches, p.repeats, p.schedule)
+    if not sched.own_gradients:
+        return dots["total"]
+    busy = p.microbatches * p.repeats
+    return dots["total"] - dots["conditional"] * (1 - busy / sched.ticks) - head * (p.repeats - 1)
+
+
 def audit(cfg: Config, compiler_options: dict | None = None, target: str | None = None) -> dict:
     """The whole audit as plain data (what `--json` prints). `target`: compile for a named
     compile-only target ('v5e-8': parallel/targets.py) with its own compiler, no device needed."""
@@ -254,6 +270,7 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
     # A fused kernel's matmuls are inside its custom calls, where dot_flops cannot see them.
     hw["attention_kernel"] = 0.0 if attention == "xla" else \
         hw["total"] - float(hardware_flops_per_device(w, g, attention="none")["total"])
+    dots = dot_flops(step.hlo)
     return {
         "mesh": step.mesh_shape,
         "platform": step.platform,
@@ -275,7 +292,8 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
         "memory": {"xla": step.memory, "model": parts,
                    "error": (parts["total"] / step.memory["peak"] - 1) if step.memory else None},
         "flops": {"model_per_step": model_flops_per_step(w), "model_per_device": model_flops_per_step(w) / n,
-                  "executed_model": hw, "hlo_dots": dot_flops(step.hlo), "xla": step.cost},
+                  "executed_model": hw, "hlo_dots": dots, "hlo_executed": executed_dot_flops(dots, cfg, hw["head"]),
+                  "xla": step.cost},
         "loops": while_loops(step.hlo),
         # the FP8 dot_general's matmuls kept FP8 by the compiler, and why the others are not
         "fp8": fp8_report(step.hlo) if cfg.fp8.enabled else None,
