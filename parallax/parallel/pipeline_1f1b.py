@@ -99,7 +99,7 @@ from parallax.parallelism import Schedule
 from parallax.parallel.pipeline import (gather_stage_weights, manual_over, send_along, stage_fn, stage_placement,
                                        to_layer_major, to_stages, unit_fn, unit_mask, with_batch_amaxes)
 from parallax.parallel.pipeline_tables import as_masters, carried_tables, reduce_table, table_out_spec, to_update
-from parallax.parallel import residuals
+from parallax.parallel import residuals, split_backward
 from parallax.parallel.sharding import BATCH_AXES
 
 _NOTHING = -jnp.inf  # fm32's zero: the identity of the max that combines FP8 states
@@ -297,12 +297,29 @@ def make_scheduled_value_and_grad(
         def kept_vjp(chunk: jax.Array, x: jax.Array, docs: Any, bufs: list, slot: jax.Array) -> Callable:
             """The VJP function of chunk `chunk` on x, its residuals F's from slot `slot` of `bufs`:
             the forward traced here again is dead code but what the weights alone give."""
+            leaves, tree = kept_leaves(chunk, x, docs, [_get(buf, slot) for buf in bufs])
+            return jax.tree.unflatten(tree, leaves)
+
+        def kept_leaves(chunk: jax.Array, x: jax.Array, docs: Any, kept: list) -> tuple[list, Any]:
+            """kept_vjp's (residual leaves, tree), the kept ones given (sliced by the caller inside
+            its conditional's branch: a conditional's operand is a copy)."""
             _, vjp, _ = chunk_vjp(_at(weights, chunk, v), _at(fp8_all, chunk, v), x, docs, chunk)
             leaves, tree = jax.tree.flatten(vjp)
             res.made(leaves)  # (traced as plan's)
-            for i, buf in zip(res.kept, bufs):  # sliced here: a conditional's operand is a copy
-                leaves[i] = _get(buf, slot)
-            return jax.tree.unflatten(tree, leaves)
+            for i, a in zip(res.kept, kept):
+                leaves[i] = a
+            return leaves, tree
+
+        def split_vjp(chunk: jax.Array, x: jax.Array, docs: Any, kept: list, ct: jax.Array
+                      ) -> tuple[split_backward.Split, tuple]:
+            """ZB-H1's backward from F's residuals split in two (split_backward.py): B the FP8
+            state's and the input's cotangents, W the weights' gradients, B's values W needs
+            handed over in a stash. -> (the split, its arguments)."""
+            leaves, tree = kept_leaves(chunk, x, docs, kept)
+            args = (leaves, (ct, ones()))
+            apply = lambda ls, cts: jax.tree.unflatten(tree, ls)(cts)  # noqa: E731  (d_w, d_fp8, dx)
+            to_w = lambda out: (jax.tree.map(lambda _: True, out[0]), jax.tree.map(lambda _: False, out[1:]))  # noqa: E731
+            return split_backward.Split.of(apply, args, to_w), args
 
         unit = unit_fn(model, combined)
 
@@ -378,9 +395,15 @@ def make_scheduled_value_and_grad(
             # bytes). Then B recomputes the chunk, as under remat full, from its input alone.
             if res.untyped:
                 res = None
+        stash = None  # ZB-H1's B-to-W stash per leaf: (shape, dtype, varying axes), kept per residual slot
+        if res is not None and tab.split:
+            # traced once here for its layout (dead code: nothing reads it), as B and W trace it
+            split, args = split_vjp(chunk0, varying(zeros_x), docs0, res.zeros(), varying(zeros_x))
+            stash = [(a.shape, a.dtype, sorted(varying_axes(a))) for a in split.b(args)[1]]
+        stash_zeros = lambda: [vary(jnp.zeros(shape, dtype), axes) for shape, dtype, axes in stash]  # noqa: E731
 
         def tick(carry, row):
-            recv_f, unsent_b, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc, kept = carry
+            recv_f, unsent_b, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc, kept, stashed = carry
             op = {k: a[s] for k, a in row.items()}  # this stage's row of the table
             # The previous tick's input cotangent is sent now, not at that tick's end: nothing
             # reads it before this tick's B, so F runs while it travels (at the tick's end only
@@ -449,6 +472,11 @@ def make_scheduled_value_and_grad(
             def backward(args):
                 x, ct, bufs = args
                 w_b, f_b = _at(weights, c_b, v), _at(fp8_all, c_b, v)
+                if stash is not None:  # B's half of the split backward, its stash for the W
+                    split, split_args = split_vjp(c_b, x, docs_b, [_get(buf, op["b_res"]) for buf in bufs], ct)
+                    outs, handed = split.b(split_args)
+                    _, d_fp8, dx = split.outputs(outs, [None] * len(outs))
+                    return d_fp8, dx, handed
                 if res is not None:
                     d_w, d_fp8, dx = kept_vjp(c_b, x, docs_b, bufs, op["b_res"])((ct, ones()))
                     if tab.split:  # the weights' gradients are W's: unused here, not computed
@@ -463,10 +491,20 @@ def make_scheduled_value_and_grad(
                 return vjp((ct, ones()))
 
             def no_backward(args):
+                if stash is not None:
+                    return _nothing_like(_at(fp8_all, 0, v)), jnp.zeros_like(args[0]), stash_zeros()
                 return (jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v)), _nothing_like(_at(fp8_all, 0, v)),
                         jnp.zeros_like(args[0]))
 
-            if by_unit:
+            if stash is not None:
+                d_fp8, dx, handed = jax.lax.cond(b_busy, backward, no_backward,
+                                                 (_get(act, op["b_act"]), _get(cot, op["b_cot"]), kept))
+                # into the residual slot's stash (the slot is its F's until W: B to W lies inside
+                # F to W); an idle B's into the trash slot
+                slot = jnp.where(b_busy, op["b_res"], tab.res_slots)
+                stashed = [_put(buf, a, slot) for buf, a in zip(stashed, handed)]
+                new_fp8 = _add_at(new_fp8, c_b, d_fp8, v, jnp.maximum)
+            elif by_unit:
                 g_w, new_fp8, dx = backward_by_unit(b_busy, c_b, _get(act, op["b_act"]), _get(cot, op["b_cot"]),
                                                     docs_b, g_w, new_fp8)
             else:
@@ -492,7 +530,11 @@ def make_scheduled_value_and_grad(
                 docs_w, _ = docs_of(i_w)
 
                 def weight_grad(args):
-                    x, ct, bufs = args
+                    x, ct, bufs, handed = args
+                    if stash is not None:  # W's half of the split backward: F's residuals and B's stash
+                        split, split_args = split_vjp(c_w, x, docs_w, [_get(buf, op["w_res"]) for buf in bufs], ct)
+                        outs = split.w(split_args, [_get(buf, op["w_res"]) for buf in handed])
+                        return split.outputs([None] * len(outs), outs)[0]
                     if res is not None:  # F's residuals, the input-gradient chain again, the weights' gradients
                         return kept_vjp(c_w, x, docs_w, bufs, op["w_res"])((ct, ones()))[0]
                     f_w, w_w = _at(fp8_all, c_w, v), _at(weights, c_w, v)
@@ -503,13 +545,13 @@ def make_scheduled_value_and_grad(
                     return jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v))
 
                 d_w = jax.lax.cond(w_busy, weight_grad, no_weight_grad,
-                                   (_get(act, op["w_act"]), _get(cot, op["w_cot"]), kept))
+                                   (_get(act, op["w_act"]), _get(cot, op["w_cot"]), kept, stashed))
                 g_w = _add_at(g_w, c_w, d_w, v)
             g_outer = jax.tree.map(jnp.add, g_outer, d_outer)
             new_head_fp8 = jax.tree.map(jnp.maximum, new_head_fp8, d_head_fp8)
             sent_f = send_along(out, fwd_ring)
             return (sent_f, dx, act, cot, g_w, g_outer, new_fp8, new_head_fp8, ce + value, router + r_value,
-                    acc, kept), None
+                    acc, kept, stashed), None
 
         init = (
             zeros_x, zeros_x,
@@ -527,9 +569,12 @@ def make_scheduled_value_and_grad(
         # its state's cotangent vary over them
         init = (*init, [vary(jnp.zeros((tab.res_slots, *a.shape), a.dtype), sorted(varying_axes(a))) for a in res.zeros()]
                 if res is not None else [])
+        # ... and ZB-H1's stash per residual slot (+ the trash slot of an idle B) as each value does
+        init = (*init, [vary(jnp.zeros((tab.res_slots + 1, *shape), dtype), axes) for shape, dtype, axes in stash]
+                if stash is not None else [])
         rows = {k: jnp.asarray(a) for k, a in tab.arrays.items()}  # [ticks, P] each
         carry, _ = jax.lax.scan(tick, init, rows)
-        _, _, _, _, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc, _ = carry
+        _, _, _, _, g_w, g_outer, new_fp8, new_head_fp8, ce, router, acc, _, _ = carry
         g_w = jax.tree.map(lambda g, spec: _reduce(g, spec, manual), g_w, layer_specs,
                            is_leaf=lambda a: isinstance(a, P))
         # (over the batch axes, then over `pipe`: one reduction over both would be one all-reduce
