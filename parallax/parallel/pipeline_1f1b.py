@@ -187,6 +187,21 @@ def _update_at(tree: Any, c: jax.Array, l: jax.Array, update: Any, op: Callable 
     return jax.tree.map(one, tree, update)
 
 
+def _pick(tree: Any, mask: tuple[bool, ...], which: bool) -> list:
+    """The leaves of `tree` where `mask` is `which`."""
+    return [a for a, m in zip(jax.tree.leaves(tree), mask) if m == which]
+
+
+def _add_leaves(tree: Any, c: jax.Array, picked: list, mask: tuple[bool, ...], which: bool, v: int) -> Any:
+    """_add_at on the leaves `_pick(tree, mask, which)` picked (the others untouched)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    at = [i for i, m in enumerate(mask) if m == which]
+    added = jax.tree.leaves(_add_at([leaves[i] for i in at], c, picked, v))
+    for i, a in zip(at, added):
+        leaves[i] = a
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def _put(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(buf, x, slot, 0)
 
@@ -400,6 +415,9 @@ def make_scheduled_value_and_grad(
             # traced once here for its layout (dead code: nothing reads it), as B and W trace it
             split, args = split_vjp(chunk0, varying(zeros_x), docs0, res.zeros(), varying(zeros_x))
             stash = [(a.shape, a.dtype, sorted(varying_axes(a))) for a in split.b(args)[1]]
+            # per weight-gradient leaf, whether W computes it (B: a norm scale's, from cheap
+            # equations alone: split_backward.Split.of)
+            w_leaves = split.to_w[:len(jax.tree.leaves(_masters(weights)))]
         stash_zeros = lambda: [vary(jnp.zeros(shape, dtype), axes) for shape, dtype, axes in stash]  # noqa: E731
 
         def tick(carry, row):
@@ -475,8 +493,8 @@ def make_scheduled_value_and_grad(
                 if stash is not None:  # B's half of the split backward, its stash for the W
                     split, split_args = split_vjp(c_b, x, docs_b, [_get(buf, op["b_res"]) for buf in bufs], ct)
                     outs, handed = split.b(split_args)
-                    _, d_fp8, dx = split.outputs(outs, [None] * len(outs))
-                    return d_fp8, dx, handed
+                    d_w, d_fp8, dx = split.outputs(outs, [0] * len(outs))  # (0: W's, a placeholder)
+                    return d_fp8, dx, handed, _pick(d_w, w_leaves, False)
                 if res is not None:
                     d_w, d_fp8, dx = kept_vjp(c_b, x, docs_b, bufs, op["b_res"])((ct, ones()))
                     if tab.split:  # the weights' gradients are W's: unused here, not computed
@@ -492,13 +510,15 @@ def make_scheduled_value_and_grad(
 
             def no_backward(args):
                 if stash is not None:
-                    return _nothing_like(_at(fp8_all, 0, v)), jnp.zeros_like(args[0]), stash_zeros()
+                    return (_nothing_like(_at(fp8_all, 0, v)), jnp.zeros_like(args[0]), stash_zeros(),
+                            _pick(jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v)), w_leaves, False))
                 return (jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v)), _nothing_like(_at(fp8_all, 0, v)),
                         jnp.zeros_like(args[0]))
 
             if stash is not None:
-                d_fp8, dx, handed = jax.lax.cond(b_busy, backward, no_backward,
-                                                 (_get(act, op["b_act"]), _get(cot, op["b_cot"]), kept))
+                d_fp8, dx, handed, d_w = jax.lax.cond(b_busy, backward, no_backward,
+                                                      (_get(act, op["b_act"]), _get(cot, op["b_cot"]), kept))
+                g_w = _add_leaves(g_w, c_b, d_w, w_leaves, False, v)
                 # into the residual slot's stash (the slot is its F's until W: B to W lies inside
                 # F to W); an idle B's into the trash slot
                 slot = jnp.where(b_busy, op["b_res"], tab.res_slots)
@@ -534,7 +554,7 @@ def make_scheduled_value_and_grad(
                     if stash is not None:  # W's half of the split backward: F's residuals and B's stash
                         split, split_args = split_vjp(c_w, x, docs_w, [_get(buf, op["w_res"]) for buf in bufs], ct)
                         outs = split.w(split_args, [_get(buf, op["w_res"]) for buf in handed])
-                        return split.outputs([None] * len(outs), outs)[0]
+                        return _pick(split.outputs([0] * len(outs), outs)[0], w_leaves, True)
                     if res is not None:  # F's residuals, the input-gradient chain again, the weights' gradients
                         return kept_vjp(c_w, x, docs_w, bufs, op["w_res"])((ct, ones()))[0]
                     f_w, w_w = _at(fp8_all, c_w, v), _at(weights, c_w, v)
@@ -542,11 +562,12 @@ def make_scheduled_value_and_grad(
                     return vjp((ct, ones()))[0]
 
                 def no_weight_grad(args):
-                    return jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v))
+                    zeros = jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v))
+                    return zeros if stash is None else _pick(zeros, w_leaves, True)
 
                 d_w = jax.lax.cond(w_busy, weight_grad, no_weight_grad,
                                    (_get(act, op["w_act"]), _get(cot, op["w_cot"]), kept, stashed))
-                g_w = _add_at(g_w, c_w, d_w, v)
+                g_w = _add_at(g_w, c_w, d_w, v) if stash is None else _add_leaves(g_w, c_w, d_w, w_leaves, True, v)
             g_outer = jax.tree.map(jnp.add, g_outer, d_outer)
             new_head_fp8 = jax.tree.map(jnp.maximum, new_head_fp8, d_head_fp8)
             sent_f = send_along(out, fwd_ring)

@@ -322,10 +322,20 @@ class Split:
         flat, in_tree = jax.tree.flatten(args)
         traced, out_shapes = jax.make_jaxpr(lambda *a: fn(*jax.tree.unflatten(in_tree, a)), return_shape=True)(*flat)
         inlined = jax.make_jaxpr(lambda *a: _inline(traced.jaxpr, traced.consts, list(a)))(*flat)
-        w = tuple(bool(x) for x in jax.tree.leaves(to_w(out_shapes)))
-        plan = _b_walk(inlined.jaxpr, [not x for x in w])
-        _w_walk(inlined.jaxpr, plan, list(w), [True] * len(inlined.jaxpr.invars))
-        return cls(inlined, plan, jax.tree.structure(out_shapes), w)
+        jaxpr, readable = inlined.jaxpr, [True] * len(inlined.jaxpr.invars)
+        w = [bool(x) for x in jax.tree.leaves(to_w(out_shapes))]
+        b_only = _b_walk(jaxpr, [not x for x in w])
+        # An output of W's that W would compute with cheap equations alone (a norm scale's
+        # gradient: a product and a sum) B computes: W would need its cotangent stashed, a
+        # [b, T, D] per norm and unit, where B holds it anyway
+        for j in [j for j, x in enumerate(w) if x]:
+            alone = _fresh(b_only)
+            _w_walk(jaxpr, alone, [k == j for k in range(len(w))], readable)
+            if not any(name in _HEAVY - {"scan"} for name in _names(jaxpr, alone, "w")):
+                w[j] = False
+        plan = _b_walk(jaxpr, [not x for x in w])
+        _w_walk(jaxpr, plan, w, readable)
+        return cls(inlined, plan, jax.tree.structure(out_shapes), tuple(w))
 
     def b(self, args: tuple) -> tuple[list, list]:
         """B: (fn's output leaves B computes, None at W's; the stash)."""
@@ -342,14 +352,16 @@ class Split:
         return jax.tree.unflatten(self.out_tree, [y if t else x for x, y, t in zip(b, w, self.to_w)])
 
     def eqns(self, side: str) -> list[str]:
-        """The primitive names `side` ('b' or 'w') runs, nested scans' bodies included (for tests)."""
-        def walk(jaxpr, plan, which):
-            names = []
-            for i, e in enumerate(jaxpr.eqns):
-                if not (plan.b_eqns if which == "b" else plan.w_eqns)[i]:
-                    continue
-                names.append(e.primitive.name)
-                if i in plan.scans:
-                    names += walk(e.params["jaxpr"].jaxpr, plan.scans[i].body, which)
-            return names
-        return walk(self.jaxpr.jaxpr, self.plan, side)
+        """The primitive names `side` ('b' or 'w') runs, nested scans' bodies included."""
+        return _names(self.jaxpr.jaxpr, self.plan, side)
+
+
+def _names(jaxpr: Any, plan: _Plan, side: str) -> list[str]:
+    names = []
+    for i, e in enumerate(jaxpr.eqns):
+        if not (plan.b_eqns if side == "b" else plan.w_eqns)[i]:
+            continue
+        names.append(e.primitive.name)
+        if i in plan.scans:
+            names += _names(e.params["jaxpr"].jaxpr, plan.scans[i].body, side)
+    return names
