@@ -104,6 +104,7 @@ from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, Tra
 from parallax.parallel.mesh import describe, make_mesh  # noqa: E402
 from parallax.model.transformer import count_params  # noqa: E402
 from parallax.parallel.pipeline import stage_fn  # noqa: E402
+from parallax.parallel.split_backward import Split  # noqa: E402
 from parallax.parallelism import Schedule  # noqa: E402
 from parallax.train.train_state import init_state  # noqa: E402
 from parallax.train.train_step import batch_sharding  # noqa: E402
@@ -350,8 +351,8 @@ def bench_op_costs(tiny: bool) -> dict:
     """XLA's flop count (cost_analysis, one device) of the ops a stage chunk runs per microbatch at
     m = 8p: F (the forward, keeping its VJP's residuals), and from F's residuals (the table
     schedules under remat none: parallelism.keeps_residuals) 1F1B's B (input and weight
-    gradients), ZB-H1's B (the input gradient) and W (the weight gradients, which need the
-    input-gradient chain again); then the same three recomputing the chunk from its input first
+    gradients), ZB-H1's B (the input gradient) and W (the weight gradients from B's stash:
+    parallel/split_backward.py); then the same three recomputing the chunk from its input first
     (`*_recompute`: what the table schedules run under remat full). Compiled, not run."""
     cfg = make_config(tiny, Case("zb_h1", "zb_h1"), MEMORY_M, 1)
     built = build(cfg)
@@ -388,9 +389,17 @@ def bench_op_costs(tiny: bool) -> dict:
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         return float(cost.get("flops", 0.0)) if cost else 0.0
 
-    flops = {"F": cost_of(lambda w, h: jax.vjp(fwd, w, h), chunk, x)}
-    for name, pick in (("B", lambda g: g), ("B_split", lambda g: g[1]), ("W", lambda g: g[0])):
-        flops[name] = cost_of(kept_vjp(pick), leaves, x)
+    # ZB-H1's B and W from F's residuals: the backward's jaxpr split by outputs, as the pipeline
+    # runs them (parallel/split_backward.py), W reading B's stash
+    def split_of(res, ct):
+        return Split.of(lambda r, c: jax.tree.unflatten(tree, r)(c), (res, ct),
+                        lambda out: (jax.tree.map(lambda _: True, out[0]), jax.tree.map(lambda _: False, out[1])))
+
+    b_side = lambda res, ct: split_of(res, ct).b((res, ct))  # noqa: E731
+    stash = jax.eval_shape(lambda res, ct: b_side(res, ct)[1], leaves, x)
+    flops = {"F": cost_of(lambda w, h: jax.vjp(fwd, w, h), chunk, x), "B": cost_of(kept_vjp(lambda g: g), leaves, x),
+             "B_split": cost_of(b_side, leaves, x),
+             "W": cost_of(lambda res, ct, st: split_of(res, ct).w((res, ct), st), leaves, x, stash)}
     for name, fn in (("B_recompute", vjp_all), ("B_split_recompute", vjp_input), ("W_recompute", vjp_weights)):
         flops[name] = cost_of(fn, chunk, x)
     return flops

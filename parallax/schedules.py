@@ -56,10 +56,11 @@ TABLE_COSTS = {"1f1b": {"F": 1, "B": 2, "W": 0}, "interleaved_1f1b": {"F": 1, "B
 COMPILED_COSTS = {"1f1b": {"F": 1, "B": 3, "W": 0}, "interleaved_1f1b": {"F": 1, "B": 3, "W": 0},
                   "zb_h1": {"F": 1, "B": 2, "W": 3}}
 # ... and where B and W start from F's residuals (parallelism.keeps_residuals, remat none): 1F1B's
-# B is the backward (2); ZB-H1's B the input-gradient chain (1), its W the chain again and the
-# weight gradients (2). (Under dots and save_attn_mlp each adds what the policy recomputes.)
+# B is the backward (2); ZB-H1's B the input-gradient chain (1), its W the weight gradients from
+# B's stash (1: the backward split by its outputs, parallel/split_backward.py; before the split W
+# ran the chain again, 2). (Under dots and save_attn_mlp B adds what the policy recomputes.)
 KEPT_COSTS = {"1f1b": {"F": 1, "B": 2, "W": 0}, "interleaved_1f1b": {"F": 1, "B": 2, "W": 0},
-              "zb_h1": {"F": 1, "B": 1, "W": 2}}
+              "zb_h1": {"F": 1, "B": 1, "W": 1}}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -182,22 +182,24 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
     # without SP drop it; under save_attn_mlp nothing is recomputed there)
     # (not in backward_by_unit's per-unit VJPs: each unit's output is dead there, unrolled or not)
     dead = np.where(s.sp & (not s.cpu) & (s.Lc / s.unit > 2) & ~s.by_unit, 1, 0)
-    # what the remat policy recomputes, in ZB-H1's B and W each
-    policy_runs = s.policy_runs * (1 + s.zb)
+    # what the remat policy recomputes, in ZB-H1's B and W each where they recompute the chunk
+    # (from F's residuals the backward is split: Dims.zb_rerun)
+    policy_runs = s.policy_runs * (1 + s.zb_rerun)
     recompute = chunk_sums + np.select([s.remat == FULL, s.remat >= SAVE_ATTN_MLP],
                                        [policy_runs * (2 * s.unit - 1 + dead), policy_runs * (s.unit - 1)], 0)
     for what, n in (("block forward (2 per layer)", per_unit * s.busy_units),
-                    ("block backward (2 per layer)", per_unit * s.busy_units * (1 + s.zb)),
+                    ("block backward (2 per layer)", per_unit * s.busy_units * (1 + s.zb_rerun)),
                     ("block recomputation", recompute)):
         out.partial_sum(s, what, s.act_run / halves, n * halves, on_t, n * halves * s.static_scale)
     gathers = 2 * s.busy_layers * halves
-    # ZB-H1's W gathers the output cotangents again: both of a block's under remat none and full,
-    # one under save_attn_mlp, none under dots (compiled for h100-8 with SP, 4 and 8 layers a
-    # stage; why the policies differ was not read out of the HLO)
+    # ZB-H1's W recomputing the chunk gathers the output cotangents again: both of a block's under
+    # remat none (a fused kernel) and full, one under save_attn_mlp, none under dots (compiled for
+    # h100-8 with SP, 4 and 8 layers a stage, before the split; why the policies differ was not
+    # read out of the HLO). A split W reads the gathered cotangents from B's stash.
     w_gathers = np.select([(s.remat == NONE) | (s.remat == FULL), s.remat >= SAVE_ATTN_MLP], [1.0, 0.5], 0.0)
     regathers = 2 * (chunk_runs + np.where(s.remat != NONE, policy_runs * s.unit, 0)) * halves
     for what, n in (("sequence-parallel norm gathers forward (2 per layer)", gathers),
-                    ("sequence-parallel cotangent gathers backward (2 per layer)", gathers * (1 + s.zb * w_gathers)),
+                    ("sequence-parallel cotangent gathers backward (2 per layer)", gathers * (1 + s.zb_rerun * w_gathers)),
                     ("sequence-parallel norm gathers recomputed", regathers)):
         out.add(("tensor",), "all-gather", what, s.act_run / halves, n, on_t & s.sp, "exposed", n * s.static_scale, s.t)
     out.add(("tensor",), "all-reduce", "sequence-parallel norm-scale gradients", 4 * s.unit_norms,

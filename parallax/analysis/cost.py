@@ -148,6 +148,11 @@ class Dims:
         # what the policy recomputes, not the chunk's forward. `attention`: the kernel the stage
         # runs, as the caller resolved it (parallelism.attention_kernel, or the audit's reading)
         self.keep = self.piped & keeps_residuals(self.sched, self.remat, attention)
+        # ZB-H1 from F's residuals splits one backward by its outputs (parallel/split_backward.py):
+        # B the input-gradient chain, W the weight gradients from B's stash, 1F1B's work between
+        # them. Without residuals (remat full, a fused kernel under none) B and W each run the
+        # chunk's VJP, and W the input-gradient chain again for its matmuls' output cotangents.
+        self.zb_rerun = self.zb & ~self.keep
         # ... and under remat full and its offload they recompute the chunk from its input
         self.rerun_chunk = self.f1b & ~self.keep
         # remat full outside ZB-H1 (pipeline_1f1b's backward_by_unit): B runs the chunk's first
@@ -240,12 +245,11 @@ class Dims:
         self.slots_run = np.where(piped, self.slots / M, self.slots) / self.halves  # one MoE call's slots
         # MoE layer calls per step, and those recomputed (any remat policy; 1F1B's stage vjp)
         self.moe_calls = self.moe * self.busy_units * self.halves
-        # (ZB-H1 from F's residuals: B's and W's VJPs each recompute what the policy does, and W's
-        # input-gradient chain runs the dispatch and combine backward again, counted as a recompute)
+        # (ZB-H1 recomputing the chunk: in B and again in W; from F's residuals its B recomputes
+        # what the policy does, once, as 1F1B's)
         self.moe_recalls = self.moe * np.where(
             self.rerun_chunk, (1 + self.zb) * M * self.Ldev / self.unit,
-            np.where(self.remat != NONE, (1 + self.zb) * self.policy_runs, 0) + self.zb * M * self.Ldev / self.unit
-        ) * self.halves
+            np.where(self.remat != NONE, self.policy_runs, 0)) * self.halves
 
 
 def optimizer_bytes_per_param(w: Workload, block: bool = False) -> int:
@@ -390,7 +394,16 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # the tick's F's own before it enters its slot (a conditional's result is a buffer of its own;
     # XLA:CPU, 6 layouts of 1F1B and interleaved under none, dots and save_attn_mlp: -3% to +4%)
     chunk_res = np.where(s.keep, residual_slots(s.sched, s.p, s.M, s.r) + 1, 1) * tok_m * saved_tok
-    f1b_saved = slots * tok_m * D * c / sp_t + s.Lc * (chunk_res + saved_layer) + tick_grad + stage_acc
+    # ZB-H1's split backward (Dims.zb_rerun false): B hands W its weight matmuls' output
+    # cotangents (split_backward.py), per layer and token: the attention's q/k/v and output
+    # projection's, the MLP's gate/up and down (the last two row-parallel outputs' full-T: under
+    # sequence parallelism W reads the all-gathered cotangent), an MoE block's per slot, its
+    # router logits' (float32) and shared experts'. Kept per residual slot, with an idle B's
+    # trash slot and the B's own result before it enters its slot.
+    stash_tok = (s.unit * (2 * D + (N + 2 * K) * H / t) * c + dense * 2 * F / t * c
+                 + s.moe * (s.slots_tok * (2 * s.Fe / t + D) * c + s.E * 4 + s.S * (2 * s.Fe / t + D) * c)) / s.unit
+    stash = np.where(s.zb & s.keep, residual_slots(s.sched, s.p, s.M, s.r) + 2, 0) * tok_m * stash_tok
+    f1b_saved = slots * tok_m * D * c / sp_t + s.Lc * (chunk_res + stash + saved_layer) + tick_grad + stage_acc
     activations = np.where(s.f1b, f1b_saved, np.where(s.piped, gpipe_saved, plain_saved))
     # save_attn_mlp: the unit whose backward runs at the peak holds its names in the working set
     # below (its un-rematted residuals), so they count once (measured on XLA:CPU: the compiled
@@ -528,12 +541,14 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     saved = s.unit * (2 * s.D * s.H * (s.N + 2 * s.K) + attn * s.N * s.H * s.T) + (s.unit - 1) * wo \
         + s.moe * s.slots_tok * 2 * s.D * s.Fe
     # Per unit, what B (and ZB-H1's W) compute again (Dims.rerun_chunk, Dims.by_unit):
-    #   - what the remat policy recomputes, in every B (and W);
+    #   - what the remat policy recomputes, in every B (and, recomputing the chunk, ZB-H1's W);
     #   - recomputing the chunk: its forward from its input, the last unit's dead matmul dropped
     #     (ZB-H1: in B and again in W); under remat full outside ZB-H1, the first n - 1 of the
     #     chunk's n units, whose outputs are the next units' inputs;
-    #   - ZB-H1: W runs the input-gradient chain again (the weights' gradients of a unit need the
-    #     cotangent of its output), about 1 fwd (a unit's input-gradient matmuls cost its forward's).
+    #   - ZB-H1 recomputing the chunk: W runs the input-gradient chain again (the weights'
+    #     gradients of a unit need the cotangent of its output), about 1 fwd (a unit's
+    #     input-gradient matmuls cost its forward's). From F's residuals the backward is split
+    #     (Dims.zb_rerun): B and W together are 1F1B's B.
     # (Compiled for h100-8, 1F1B remat full at 4 and 8 layers per stage: -19% and -18% FLOPs when
     # a rerun B was counted as one forward of the chunk and no more: 2026-12-07.)
     n = s.Lc / s.unit  # units per chunk
@@ -541,12 +556,12 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     chunk_fwd = np.where((s.remat == FULL) & (n == 1), 0, fwd - dead / n)
     stage_rerun = np.where(s.by_unit, fwd * (n - 1) / n, (1 + s.zb) * chunk_fwd)
     policy = np.select([s.remat == FULL, s.remat == DOTS, s.remat >= SAVE_ATTN_MLP], [fwd - dead, s.moe * experts, saved], 0)
-    recompute = np.where(s.rerun_chunk, stage_rerun, 0) + policy * (1 + s.zb) + s.zb * fwd
+    recompute = np.where(s.rerun_chunk, stage_rerun, 0) + policy * (1 + s.zb_rerun) + s.zb_rerun * fwd
     # attention in query blocks (parallel.attention_chunk): each block is checkpointed, so its
     # scores and values are computed once more in the backward pass, under any remat policy
     recompute = recompute + (s.query_rows < s.T) * s.unit * attn * s.N * s.H * s.T
     busy = np.where(s.piped & ~s.f1b, s.ticks / (s.r * s.M), 1.0)  # bubble ticks run the stage too
-    rerun = np.where(s.rerun_chunk | s.zb | (s.remat == FULL) | (s.remat >= SAVE_ATTN_MLP), 1, 0)  # router, combine
+    rerun = np.where(s.rerun_chunk | (s.remat == FULL) | (s.remat >= SAVE_ATTN_MLP), 1, 0)  # router, combine
     units = s.Ldev / s.unit
     blocks = s.tok * units * ((3 * fwd + recompute) / s.t + (3 + rerun) * moe_replicated) * busy
     # the fused loss head: logits forward, again in the backward (vocab.fused_cross_entropy

@@ -20,26 +20,30 @@ buffer slots) and
   - B: the chunk's VJP applied to the buffered output cotangent: from F's residuals, or (remat
     full and its offload) of chunk c recomputed from the buffered input, one unit at a time, each
     unit's weight gradient added into the float32 accumulator in place (backward_by_unit). Input
-    and weight gradients (1F1B, interleaved), or only the input gradient and the FP8 state
-    (ZB-H1's split backward); on stage 0's chunk 0 the input gradient goes straight into the
-    embedding table's gradient (a scatter-add);
-  - W (ZB-H1): the chunk's VJP w.r.t. its weights from the same residuals (or input) and
-    cotangent, deferred to where the table puts it (the weight-gradient accumulation stays float32);
+    and weight gradients (1F1B, interleaved), or (ZB-H1) the input gradient and the FP8 state:
+    from F's residuals B's half of the backward split by its outputs (split_backward.py), which
+    also hands W a stash (its matmuls' output cotangents) kept in the residual slot until W;
+    recomputing the chunk, the chunk's VJP w.r.t. its input. On stage 0's chunk 0 the input
+    gradient goes straight into the embedding table's gradient (a scatter-add);
+  - W (ZB-H1): the weight gradients, deferred to where the table puts it (the weight-gradient
+    accumulation stays float32): from F's residuals and B's stash the split's other half (the
+    weight-gradient matmuls alone), or the chunk's VJP w.r.t. its weights recomputed from the
+    buffered input;
   - sends its F's output forward round the ring (pipeline.send_along; the last stage's output of
     chunk c reaches stage 0's chunk c+1), and keeps its B's input gradient for the next tick.
 
 Live activation memory per stage is the table's buffers (1F1B at most 2P-1 stage inputs,
 interleaved vP+P-1 chunk inputs, ZB-H1 P+1 inputs and P cotangents) and either as many chunks'
 residuals (schedules.residual_slots: Megatron's 1F1B keeps P, the lockstep tick runs P-1 more F's
-on stage 0 before its first B) or, under remat full, one chunk's, instead of M + P - 1 ticks of
+on stage 0 before its first B; ZB-H1 B's stash beside them) or, under remat full, one chunk's, instead of M + P - 1 ticks of
 residuals; nothing of the whole batch's [B, T, D] lives through the loop (embedding the batch
 before it kept its output and its input cotangent, [M, B/M, T, D] each, on every stage). Idle ops
 are skipped with `lax.cond` (a real conditional per device); ticks run in lockstep (each ends with
 the forward send), so a tick lasts as long as its busiest stage (schedules.py states each table's
 tick model and bubble). From F's residuals a chunk costs 3 forwards of work under remat none,
-as in Megatron's 1F1B (ZB-H1 4: W runs the input-gradient chain again, a unit's weight gradients
-needing its output's cotangent); under remat full B recomputes the chunk (ZB-H1: B and W each):
-BUILD_NOTES.md has the compiled flops.
+as in Megatron's 1F1B, ZB-H1's too (its B and W split one backward); under remat full B
+recomputes the chunk (ZB-H1: B and W each, and W the input-gradient chain again, a unit's weight
+gradients needing its output's cotangent): BUILD_NOTES.md has the compiled flops.
 
 What the other schedules take, this one takes too:
 - MoE blocks: the stage returns, beside its output, its share of the router losses (the balancing
@@ -496,10 +500,7 @@ def make_scheduled_value_and_grad(
                     d_w, d_fp8, dx = split.outputs(outs, [0] * len(outs))  # (0: W's, a placeholder)
                     return d_fp8, dx, handed, _pick(d_w, w_leaves, False)
                 if res is not None:
-                    d_w, d_fp8, dx = kept_vjp(c_b, x, docs_b, bufs, op["b_res"])((ct, ones()))
-                    if tab.split:  # the weights' gradients are W's: unused here, not computed
-                        d_w = jax.tree.map(jnp.zeros_like, d_w)
-                    return d_w, d_fp8, dx
+                    return kept_vjp(c_b, x, docs_b, bufs, op["b_res"])((ct, ones()))
                 if tab.split:
                     _, vjp = jax.vjp(lambda f, h: stage(w_b, f, h, docs_b, c_b)[0], f_b, x)
                     d_fp8, dx = vjp((ct, ones()))
@@ -555,8 +556,6 @@ def make_scheduled_value_and_grad(
                         split, split_args = split_vjp(c_w, x, docs_w, [_get(buf, op["w_res"]) for buf in bufs], ct)
                         outs = split.w(split_args, [_get(buf, op["w_res"]) for buf in handed])
                         return _pick(split.outputs([0] * len(outs), outs)[0], w_leaves, True)
-                    if res is not None:  # F's residuals, the input-gradient chain again, the weights' gradients
-                        return kept_vjp(c_w, x, docs_w, bufs, op["w_res"])((ct, ones()))[0]
                     f_w, w_w = _at(fp8_all, c_w, v), _at(weights, c_w, v)
                     _, vjp = jax.vjp(lambda w: stage(_with_masters(w_w, w), f_w, x, docs_w, c_w)[0], _masters(w_w))
                     return vjp((ct, ones()))[0]

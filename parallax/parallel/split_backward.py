@@ -40,6 +40,7 @@ from jax.extend import core as jcore
 _COLLECTIVES = {v.name for v in vars(_parallel).values() if isinstance(v, _core.Primitive)} - {"axis_index"}
 _HEAVY = {"dot_general", "conv_general_dilated", "ragged_dot_general", "scan", "while", "cond",
           "custom_call", "pallas_call", "custom_vjp_call", "custom_jvp_call", *_COLLECTIVES}
+_CASTS = {"pvary", "pcast"}  # casts between shard_map's types (no data moves)
 _INLINED = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"}
 
 
@@ -172,6 +173,7 @@ def _w_walk(jaxpr: Any, plan: _Plan, need: list[bool], readable: list[bool]) -> 
         if _cheap(eqn) and all(not _is_var(a) or a in free for a in eqn.invars):
             free.update(v for v in eqn.outvars if _is_var(v))
     live = {a for a, n in zip(jaxpr.outvars, need) if n and _is_var(a)}
+    made_by_b = {v for i, e in enumerate(jaxpr.eqns) if plan.b_eqns[i] for v in e.outvars if _is_var(v)}
     stash: set = set()
     for i in reversed(range(len(jaxpr.eqns))):
         eqn = jaxpr.eqns[i]
@@ -181,6 +183,13 @@ def _w_walk(jaxpr: Any, plan: _Plan, need: list[bool], readable: list[bool]) -> 
         if all(v in free for v, o in zip(eqn.outvars, outs) if o):  # cheap, from W's own inputs
             plan.w_eqns[i] = True
             live.update(a for a in eqn.invars if _is_var(a))
+        elif eqn.primitive.name in _CASTS and all(a in made_by_b for a in eqn.invars if _is_var(a)):
+            # a cast to varying of B's values: B casts and hands over the typed value (the stash
+            # is read back through a slot index that varies over `pipe`, so an untyped value,
+            # a fused attention kernel's output, would come back typed unlike the cast's input)
+            plan.b_eqns[i] = True
+            stash.update(v for v, o in zip(eqn.outvars, outs) if o)
+            made_by_b.update(v for v in eqn.outvars if _is_var(v))
         elif not plan.b_eqns[i]:  # nothing of B's: W runs it whole
             plan.w_eqns[i] = True
             live.update(a for a in eqn.invars if _is_var(a))
