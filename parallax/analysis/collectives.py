@@ -195,11 +195,20 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
     # ZB-H1's W recomputing the chunk gathers the output cotangents again: both of a block's under
     # remat none (a fused kernel) and full, one under save_attn_mlp, none under dots (compiled for
     # h100-8 with SP, 4 and 8 layers a stage, before the split; why the policies differ was not
-    # read out of the HLO). A split W reads the gathered cotangents from B's stash.
+    # read out of the HLO).
     w_gathers = np.select([(s.remat == NONE) | (s.remat == FULL), s.remat >= SAVE_ATTN_MLP], [1.0, 0.5], 0.0)
-    regathers = 2 * (chunk_runs + np.where(s.remat != NONE, policy_runs * s.unit, 0)) * halves
+    # A split W (split_backward.py) reads B's values as B's program left them: the two row-parallel
+    # outputs' cotangents T-sharded, which the partitioner gathers again for W's weight-gradient
+    # dots (the gathers are GSPMD's, not the jaxpr's: nothing to stash). Under save_attn_mlp B
+    # recomputes q/k/v from the attention norm's gathered output, and W, recomputing the norm
+    # from the residual (cheap: not stashed), gathers it again; under dots only W gathers the
+    # norms; under none they are residuals. (compiled for h100-8, 4 layers, SP: 2026-12-07)
+    zb_split = s.zb & ~s.zb_rerun
+    regathers = 2 * (chunk_runs + np.where(s.remat != NONE, policy_runs * s.unit, 0)) * halves \
+        + zb_split * (s.remat >= SAVE_ATTN_MLP) * s.busy_layers * halves
     for what, n in (("sequence-parallel norm gathers forward (2 per layer)", gathers),
-                    ("sequence-parallel cotangent gathers backward (2 per layer)", gathers * (1 + s.zb_rerun * w_gathers)),
+                    ("sequence-parallel cotangent gathers backward (2 per layer)",
+                     gathers * (1 + s.zb_rerun * w_gathers + zb_split)),
                     ("sequence-parallel norm gathers recomputed", regathers)):
         out.add(("tensor",), "all-gather", what, s.act_run / halves, n, on_t & s.sp, "exposed", n * s.static_scale, s.t)
     out.add(("tensor",), "all-reduce", "sequence-parallel norm-scale gradients", 4 * s.unit_norms,

@@ -396,11 +396,11 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     chunk_res = np.where(s.keep, residual_slots(s.sched, s.p, s.M, s.r) + 1, 1) * tok_m * saved_tok
     # ZB-H1's split backward (Dims.zb_rerun false): B hands W its weight matmuls' output
     # cotangents (split_backward.py), per layer and token: the attention's q/k/v and output
-    # projection's, the MLP's gate/up and down (the last two row-parallel outputs' full-T: under
-    # sequence parallelism W reads the all-gathered cotangent), an MoE block's per slot, its
-    # router logits' (float32) and shared experts'. Kept per residual slot, with an idle B's
-    # trash slot and the B's own result before it enters its slot.
-    stash_tok = (s.unit * (2 * D + (N + 2 * K) * H / t) * c + dense * 2 * F / t * c
+    # projection's, the MLP's gate/up and down (the last two row-parallel outputs' T-sharded under
+    # sequence parallelism, as B's program leaves them: W gathers them again, collectives.py), an
+    # MoE block's per slot, its router logits' (float32) and shared experts'. Kept per residual
+    # slot, with an idle B's trash slot and the B's own result before it enters its slot.
+    stash_tok = (s.unit * (2 * D / sp_t + (N + 2 * K) * H / t) * c + dense * 2 * F / t * c
                  + s.moe * (s.slots_tok * (2 * s.Fe / t + D) * c + s.E * 4 + s.S * (2 * s.Fe / t + D) * c)) / s.unit
     stash = np.where(s.zb & s.keep, residual_slots(s.sched, s.p, s.M, s.r) + 2, 0) * tok_m * stash_tok
     f1b_saved = slots * tok_m * D * c / sp_t + s.Lc * (chunk_res + stash + saved_layer) + tick_grad + stage_acc
