@@ -25,9 +25,11 @@ cotangents backward), so ticks run in lockstep: a tick lasts as long as its busi
   free tick after their input arrives and while at most P - s microbatches are between F and B
   (1F1B's in-flight bound); W's fill the free ticks after their B. Ticks 3M + P - 1, bubble
   (P-1)(F+B-W) / (M(F+B+W) + (P-1)(F+B-W)) = (P-1)/(3M + P - 1): the paper's, and lockstep adds
-  nothing under the 1:1:1 assumption (every tick is one unit). Compiled costs differ (B and W
-  each recompute the stage forward): `Schedule.bubble_fraction_at` evaluates the same table
-  under other costs.
+  nothing under the 1:1:1 assumption (every tick is one unit). Compiled costs differ (from F's
+  residuals the split B costs 1 + a forwards and W 1 - a, a the attention scores' share:
+  kept_costs; recomputing the chunk, B and W each recompute the stage forward):
+  `Schedule.bubble_fraction_at` evaluates the same table under other costs. With one op per
+  stage and tick, every tick lasts as long as its costliest op, so unequal costs cost bubble.
 """
 
 from __future__ import annotations
@@ -61,6 +63,18 @@ COMPILED_COSTS = {"1f1b": {"F": 1, "B": 3, "W": 0}, "interleaved_1f1b": {"F": 1,
 # ran the chain again, 2). (Under dots and save_attn_mlp B adds what the policy recomputes.)
 KEPT_COSTS = {"1f1b": {"F": 1, "B": 2, "W": 0}, "interleaved_1f1b": {"F": 1, "B": 2, "W": 0},
               "zb_h1": {"F": 1, "B": 1, "W": 1}}
+
+
+def kept_costs(name: str, attention_share: float = 0.0) -> dict[str, float]:
+    """KEPT_COSTS[name] for a model whose attention scores are `attention_share` of a forward's
+    matmul FLOPs (cost.attention_share): ZB-H1's split B runs the chain's input-gradient matmuls
+    (the forward's projections' cost) and the scores' backward (twice their forward: on the
+    chain), W the projections' weight gradients alone: B = 1 + a, W = 1 - a. (Compiled on CPU,
+    bench_pipeline [4]: B 1.118, W 0.872 where the model's a is 0.111.)"""
+    c = dict(KEPT_COSTS[name])
+    if name == "zb_h1":
+        c["B"], c["W"] = 1 + attention_share, 1 - attention_share
+    return c
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,12 +115,12 @@ EXACT_OPS = 4096  # lockstep_bubble walks ZB-H1's table up to this many ops per 
 
 
 @functools.lru_cache(maxsize=4096)
-def _lockstep_bubble(name: str, p: int, m: int, r: int, kept: bool) -> float:
+def _lockstep_bubble(name: str, p: int, m: int, r: int, kept: bool, share: float) -> float:
     if name != "zb_h1":
         # 1F1B / interleaved: F-only warm-up ticks, F+B steady ticks, B-only cool-down ticks, the
         # same on every stage, so the formula holds for any F:B cost (tests/test_schedules.py)
         return float(bubble(SCHEDULES.index(name), p, m, r))
-    c = (KEPT_COSTS if kept else COMPILED_COSTS)[name]
+    c = kept_costs(name, share) if kept else COMPILED_COSTS[name]
     work = m * (c["F"] + c["B"] + c["W"])
     if p * m > EXACT_OPS:  # an upper bound: every tick as long as the costliest op
         return 1 - work / (max(c.values()) * (3 * m + p - 1))
@@ -117,20 +131,23 @@ def _lockstep_bubble(name: str, p: int, m: int, r: int, kept: bool) -> float:
     return 1 - work / sum(tick_cost.values())
 
 
-def lockstep_bubble(schedule: Any, pipe: Any, microbatches: Any, repeats: Any, kept: Any = False) -> Any:
+def lockstep_bubble(schedule: Any, pipe: Any, microbatches: Any, repeats: Any, kept: Any = False,
+                    attention_share: Any = 0.0) -> Any:
     """The bubble of a table schedule's own table with its ticks in lockstep and the compiled op
-    costs (COMPILED_COSTS, or KEPT_COSTS where `kept`: B and W from F's residuals); `bubble`
-    elsewhere. Element-wise over a grid (the planner's), one table walk per distinct ZB-H1 layout
-    up to P x M = EXACT_OPS, an upper bound beyond (each tick as long as its costliest op; 0.342
-    against the exact 0.317 at P 4, M 32 under COMPILED_COSTS)."""
-    args = (schedule, pipe, microbatches, repeats, kept)
+    costs (COMPILED_COSTS, or where `kept`, B and W from F's residuals, kept_costs for the
+    model's `attention_share`); `bubble` elsewhere. Element-wise over a grid (the planner's), one
+    table walk per distinct ZB-H1 layout up to P x M = EXACT_OPS, an upper bound beyond (each
+    tick as long as its costliest op; 0.342 against the exact 0.317 at P 4, M 32 under
+    COMPILED_COSTS). ZB-H1's one op per tick and stage makes every tick as long as its costliest
+    op: the paper's bubble needs F = B = W, which the split's B = 1 + a, W = 1 - a miss by a."""
+    args = (schedule, pipe, microbatches, repeats, kept, attention_share)
     shape = np.broadcast_shapes(*(np.shape(a) for a in args))
-    sched, p, m, r, k = (np.broadcast_to(np.atleast_1d(a), shape or (1,)) for a in args)
+    sched, p, m, r, k, a = (np.broadcast_to(np.atleast_1d(x), shape or (1,)) for x in args)
     out = np.asarray(bubble(sched, p, m, r), float).copy()
     for idx in zip(*np.nonzero(own_gradients(sched) & pipelined(p, m))):
         name = SCHEDULES[int(sched[idx])]
         out[idx] = _lockstep_bubble(name, int(p[idx]), int(m[idx]), int(r[idx]) if name == "interleaved_1f1b" else 1,
-                                    bool(k[idx]))
+                                    bool(k[idx]), round(float(a[idx]), 3))
     return out.reshape(shape)
 
 

@@ -111,23 +111,30 @@ def test_a_residual_the_input_made_but_not_typed_varying_is_counted_not_kept():
     ("none", "splash", "compiled"), ("dots", "splash", "kept")])
 def test_the_step_record_bubble_uses_the_costs_of_the_backward_that_runs(remat, attend, costs):
     """train/loop.StepRecord's `bubble_fraction_compiled_costs`: ZB-H1's table in lockstep under
-    KEPT_COSTS where B and W start from F's residuals (residuals.keeps, the
-    rule the pipeline reads), else under COMPILED_COSTS; the two differ at p 4, m 8 (a fused
-    kernel under remat none recomputes)."""
+    kept_costs for the model's attention share (the split's B = 1 + a, W = 1 - a) where B and W
+    start from F's residuals (residuals.keeps, the rule the pipeline reads), else under
+    COMPILED_COSTS; the two differ at p 4, m 8 (a fused kernel under remat none recomputes)."""
     from types import SimpleNamespace
 
+    from parallax.analysis.cost import Grid, Workload, attention_share
     from parallax.config import Config, MeshConfig, ParallelConfig
     from parallax.parallel.fused_attention import FusedAttention
-    from parallax.schedules import COMPILED_COSTS, KEPT_COSTS, Schedule
+    from parallax.schedules import COMPILED_COSTS, KEPT_COSTS, Schedule, kept_costs
     from parallax.train.loop import StepRecord
 
     sched = Schedule(4, 8, 1, "zb_h1")
     cfg = Config(mesh=MeshConfig(pipe=4), parallel=ParallelConfig(microbatches=8, schedule="zb_h1", remat=remat))
     model = SimpleNamespace(remat=remat, attend=FusedAttention(attend) if attend else None)
+    sizes = {"data": 1, "tensor": 1, "pipe": 4, "expert": 1}
     built = SimpleNamespace(device_kind="cpu", n_devices=4, schedule=sched, layout=SimpleNamespace(model=model),
-                            batch_shards=1)
+                            batch_shards=1, mesh=SimpleNamespace(shape=sizes))
     record = StepRecord(cfg, built)(1, {"loss": 1.0, "lr": 1e-3, "grad_norm": 1.0}, 1.0, 0)
-    want = {c: sched.bubble_fraction_at(t["zb_h1"]) for c, t in (("kept", KEPT_COSTS), ("compiled", COMPILED_COSTS))}
-    assert abs(want["kept"] - want["compiled"]) > 1e-3, want  # 0.319 and 0.314
+    share = float(attention_share(Workload.of(cfg), Grid.of(cfg, sizes), attend or "xla"))
+    assert 0 < share < 0.5, share
+    want = {"kept": sched.bubble_fraction_at(kept_costs("zb_h1", share)),
+            "compiled": sched.bubble_fraction_at(COMPILED_COSTS["zb_h1"])}
+    assert abs(want["kept"] - want["compiled"]) > 1e-3, want
+    # ... and not the paper's F = B = W: the attention share lengthens every tick that holds a B
+    assert want["kept"] > sched.bubble_fraction_at(KEPT_COSTS["zb_h1"]) + 1e-3, want
     assert record["bubble_fraction_compiled_costs"] == pytest.approx(want[costs])
     assert record["pipeline_ticks"] == sched.ticks and record["bubble_fraction"] == sched.bubble_fraction

@@ -58,3 +58,42 @@ def test_w_runs_only_the_weight_matmuls(remat):
     # the stash, per unit: the unit's output cotangent and the tanh's input cotangent ([2, 4], [2, 5])
     _, stash = split.b(args)
     assert sorted(a.shape for a in stash) == [(3, 2, 4), (3, 2, 5)]
+
+
+def test_split_op_costs_are_the_cost_models():
+    """A pipeline stage chunk's F, split B and W, compiled (XLA:CPU cost_analysis, one device):
+    B and W from F's residuals together are 1F1B's B, and their ratio to F is
+    schedules.kept_costs' for the model's attention share (B = 1 + a, W = 1 - a, within 5%)."""
+    from parallax.analysis.cost import Grid, Workload, attention_share
+    from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
+    from parallax.parallel.pipeline import stage_fn
+    from parallax.schedules import kept_costs
+    from parallax.train.build import build
+
+    cfg = Config(mesh=MeshConfig(data=1, pipe=2),
+                 model=ModelConfig(d_model=64, n_layers=4, n_heads=2, n_kv_heads=2, d_ff=128, vocab_size=64),
+                 parallel=ParallelConfig(microbatches=2, schedule="zb_h1"),
+                 train=TrainConfig(global_batch=2, seq_len=64))
+    built = build(cfg, jax.devices()[:2])
+    stage = stage_fn(built.layout.model)
+    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), built.abstract_state().params["layers"])
+    x = jax.ShapeDtypeStruct((1, 64, 64), jnp.float32)
+    fwd = lambda w, h: stage(w, h)[0]  # noqa: E731
+    leaves, tree = jax.tree.flatten(jax.eval_shape(lambda w, h: jax.vjp(fwd, w, h)[1], chunk, x))
+    apply = lambda res, ct: jax.tree.unflatten(tree, res)(ct)  # noqa: E731
+    split_of = lambda res, ct: Split.of(apply, (res, ct), lambda out: (jax.tree.map(lambda _: True, out[0]), False))  # noqa: E731
+
+    def flops(fn, *args):
+        cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+        return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+    stash = jax.eval_shape(lambda res, ct: split_of(res, ct).b((res, ct))[1], leaves, x)
+    f = flops(lambda w, h: jax.vjp(fwd, w, h), chunk, x)
+    b = flops(lambda res, ct: split_of(res, ct).b((res, ct)), leaves, x)
+    w = flops(lambda res, ct, st: split_of(res, ct).w((res, ct), st), leaves, x, stash)
+    whole = flops(apply, leaves, x)
+    assert b + w == pytest.approx(whole, rel=0.01), (b, w, whole)
+    share = float(attention_share(Workload.of(cfg), Grid.of(cfg, {"data": 1, "tensor": 1, "pipe": 2, "expert": 1})))
+    want = kept_costs("zb_h1", share)
+    assert b / f == pytest.approx(want["B"], rel=0.05), (b / f, want, share)
+    assert w / f == pytest.approx(want["W"], rel=0.05), (w / f, want, share)

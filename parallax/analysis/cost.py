@@ -509,6 +509,28 @@ def model_flops_per_step(w: Workload) -> float:
     return flops_per_token(w.model, w.seq_len) * w.global_batch * w.seq_len
 
 
+def _forward_flops(s: Dims, attention: str) -> tuple[Any, Any, Any, Any]:
+    """A unit's forward matmul FLOPs per token (over tensor): (the scores' coefficient, the last
+    matmul's, the experts', the whole unit's)."""
+    attn = {"xla": 4, "none": 0}.get(attention, 2)  # "none": without the scores (audit: a kernel's share)
+    wo = 2 * s.F * s.D  # the last matmul: its output is dead in a recomputation (XLA drops it)
+    block = 2 * s.D * s.H * (2 * s.N + 2 * s.K) + attn * s.N * s.H * s.T  # per token: projections, scores
+    dense = 4 * s.D * s.F + wo
+    # MoE: the experts compute on all E C slots of a sequence, full or not (capacity padding
+    # counts); the float32 router and the combine's weighted sum are not split over tensor.
+    experts = s.slots_tok * 6 * s.D * s.Fe
+    moe = experts + 6 * s.D * s.S * s.Fe
+    return attn, wo, experts, s.unit * block + (s.unit - s.moe) * dense + s.moe * moe
+
+
+def attention_share(w: Workload, g: Grid, attention: str = "xla") -> Any:
+    """The attention scores' share of a unit's forward matmul FLOPs: what ZB-H1's split B runs
+    beyond a forward and its W short of one (schedules.kept_costs)."""
+    s = Dims(w, g, attention=attention)
+    attn, _, _, fwd = _forward_flops(s, attention)
+    return s.unit * attn * s.N * s.H * s.T / fwd
+
+
 def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> dict[str, Any]:
     """FLOPs one device executes per step, by part (what sets its compute time).
 
@@ -520,16 +542,8 @@ def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> d
     The optimizer: Muon's Newton-Schulz iterations (optimizer_flops_per_device).
     """
     s = Dims(w, g, attention=attention)
-    attn = {"xla": 4, "none": 0}.get(attention, 2)  # "none": without the scores (audit: a kernel's share)
-    wo = 2 * s.F * s.D  # the last matmul: its output is dead in a recomputation (XLA drops it)
-    block = 2 * s.D * s.H * (2 * s.N + 2 * s.K) + attn * s.N * s.H * s.T  # per token: projections, scores
-    dense = 4 * s.D * s.F + wo
-    # MoE: the experts compute on all E C slots of a sequence, full or not (capacity padding
-    # counts); the float32 router and the combine's weighted sum are not split over tensor.
-    experts = s.slots_tok * 6 * s.D * s.Fe
-    moe = experts + 6 * s.D * s.S * s.Fe
+    attn, wo, experts, fwd = _forward_flops(s, attention)
     moe_replicated = s.moe * (2 * s.D * s.E + 2 * s.k * s.D)
-    fwd = s.unit * block + (s.unit - s.moe) * dense + s.moe * moe  # per token and unit, over tensor
     dead = np.where(s.moe, 2 * s.S * s.Fe * s.D, wo)  # the unit's last matmul (shared experts' wo)
     # remat=full recomputes each unit's forward but its last matmul; 1F1B recomputes the stage
     # from its input, which needs every unit's output but the chunk's last; `dots` recomputes

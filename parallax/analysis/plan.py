@@ -21,7 +21,8 @@ inside the backward layer loop hidden behind the backward pass (after the tick l
 pipelined: exposed); ZeRO-3 gathers prefetched behind compute; pipeline sends behind the other
 half-microbatch's compute (exposed only where longer); the GPipe/circular bubble (P-1)/(R M+P-1),
 the table schedules' (1F1B, interleaved 1F1B, ZB-H1) from their tables in lockstep under the
-compiled op costs (schedules.lockstep_bubble: ZB-H1's B and W each recompute the stage);
+compiled op costs (schedules.lockstep_bubble: ZB-H1's split B and W cost 1 + a and 1 - a
+forwards for an attention share a, or each recompute the stage where no residuals are kept);
 the MoE all-to-alls over `expert` exposed (the expert matmuls wait for the dispatched slots).
 
 MoE models search `expert` too (dividing num_experts; the batch is split over data x expert), with
@@ -46,8 +47,8 @@ import numpy as np
 from parallax.config import (Config, ConfigError, Fp8Config, ModelConfig, TrainConfig, UserError, apply_overrides,
                              expert_d_ff, load_experiment, stack_length)
 from parallax.analysis.collectives import collective_terms
-from parallax.analysis.cost import (Grid, Workload, hardware_flops_per_device, memory_parts, memory_platform,
-                                    model_flops_per_step)
+from parallax.analysis.cost import (Grid, Workload, attention_share, hardware_flops_per_device, memory_parts,
+                                    memory_platform, model_flops_per_step)
 from parallax.parallelism import (CIRCULAR, GPIPE, INTERLEAVED, LAYOUT_FIELDS, ONE_F_ONE_B, REMATS, SCHEDULES, ZB_H1,
                                   bubble, keeps_residuals, legal, lockstep_bubble, own_gradients, pipelined)
 from parallax.analysis.presets import PUBLISHED  # noqa: F401 - re-exported: the published runs beside compare_published
@@ -143,9 +144,11 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     f1b = piped & own_gradients(sched)
     t_blocks = hw["blocks"] / rate
     # Table schedules skip idle work, so their busy work is stretched by their bubble: the table's,
-    # ticks in lockstep under the compiled op costs (schedules.COMPILED_COSTS, or KEPT_COSTS where B
-    # and W start from F's residuals; 1F1B and interleaved: the formula, ZB-H1: more than the paper's)
-    lockstep = lockstep_bubble(sched, p, m_, g.repeats, keeps_residuals(sched, g.remat, attention))
+    # ticks in lockstep under the compiled op costs (schedules.COMPILED_COSTS, or kept_costs for the
+    # attention share where B and W start from F's residuals; 1F1B and interleaved: the formula,
+    # ZB-H1: more than the paper's)
+    lockstep = lockstep_bubble(sched, p, m_, g.repeats, keeps_residuals(sched, g.remat, attention),
+                               attention_share(w, g, attention))
     stretch = np.where(f1b, 1 / (1 - np.where(f1b, lockstep, 0)), 1.0)
     t_compute = t_blocks * stretch + (hw["head"] + hw["embedding"] + hw["optimizer"]) / rate
     strides = {"tensor": 1, "expert": t, "data": t * e, "pipe": t * e * d}  # device order: tensor innermost

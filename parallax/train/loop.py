@@ -307,7 +307,7 @@ class StepRecord:
     def __init__(self, cfg: Config, built):
         from parallax.train.metrics import NoiseScale, peak_flops
         from parallax.parallel.residuals import keeps
-        from parallax.schedules import COMPILED_COSTS, KEPT_COSTS
+        from parallax.schedules import COMPILED_COSTS, kept_costs
         from parallax.model.transformer import flops_per_token
 
         t = cfg.train
@@ -322,12 +322,19 @@ class StepRecord:
         self.bubble = self.schedule.bubble_fraction if self.schedule is not None else None
         self.ticks = self.schedule.ticks if self.schedule is not None else None
         # table schedules: the same table with its ticks in lockstep under the compiled op costs
-        # (schedules.COMPILED_COSTS: ZB-H1's B and W each recompute the stage; KEPT_COSTS where
-        # they start from F's residuals)
+        # (schedules.COMPILED_COSTS: ZB-H1's B and W each recompute the stage; kept_costs where
+        # they start from F's residuals, for the model's attention share)
         self.bubble_compiled = None
         if self.schedule is not None and self.schedule.own_gradients:
-            kept = keeps(built.layout.model, self.schedule)
-            costs = (KEPT_COSTS if kept else COMPILED_COSTS)[self.schedule.name]
+            from parallax.analysis.cost import Grid, Workload, attention_share
+
+            model = built.layout.model
+            if keeps(model, self.schedule):
+                kernel = model.attend.kernel if model.attend is not None else "xla"
+                share = float(attention_share(Workload.of(cfg), Grid.of(cfg, dict(built.mesh.shape)), kernel))
+                costs = kept_costs(self.schedule.name, share)
+            else:
+                costs = COMPILED_COSTS[self.schedule.name]
             self.bubble_compiled = self.schedule.bubble_fraction_at(costs)
         # Gradient noise scale: per-shard (B / batch shards sequences) and global-batch gradient
         # norms, EMA-smoothed here; restarts on resume (the EMA is not checkpointed).
