@@ -138,7 +138,8 @@ MEMORY_RATIOS = (("1f1b", "gpipe", MEMORY_TARGET), ("interleaved_r2", "gpipe", M
                  ("zb_h1", "gpipe", MEMORY_TARGET), ("zb_h1", "1f1b", 1.1))
 TABLE_CASES = (Case("gpipe", "gpipe"), Case("circular_r2", "circular", repeats=2), Case("1f1b", "1f1b"),
                Case("interleaved_r2", "interleaved_1f1b", repeats=2), Case("zb_h1", "zb_h1"))
-BUBBLE_CASES = (Case("gpipe", "gpipe"), Case("circular_r2", "circular", repeats=2), Case("1f1b", "1f1b"))
+BUBBLE_CASES = (Case("gpipe", "gpipe"), Case("circular_r2", "circular", repeats=2), Case("1f1b", "1f1b"),
+                Case("zb_h1", "zb_h1"))
 
 
 def make_config(tiny: bool, case: Case, m: int, rows: int) -> Config:
@@ -430,9 +431,10 @@ def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str, tables: 
     for label, res in bubble.items():
         color, r, pts = colors.get(label, "k"), res["repeats"], res["points"]
         xs = [p["m"] for p in pts]
-        (line,) = ax.plot(grid, (PIPE - 1) / (r * grid + PIPE - 1), styles.get(label, "-"), color=color, lw=1.5,
-                          label=f"{names.get(label, label)}  (formula (p-1)/({'' if r == 1 else r}m+p-1))")
-        handles.append(line)
+        if label != "zb_h1":  # (its formula is drawn below, with its table's squares)
+            (line,) = ax.plot(grid, (PIPE - 1) / (r * grid + PIPE - 1), styles.get(label, "-"), color=color, lw=1.5,
+                              label=f"{names.get(label, label)}  (formula (p-1)/({'' if r == 1 else r}m+p-1))")
+            handles.append(line)
         ax.plot(xs, [p["bubble_measured"] for p in pts], "o", color=color, ms=7)
         ax.plot(xs, [p["bubble_measured_cpu"] for p in pts], "x", color=color, ms=7, mew=1.5)
         # memory against m: the timed steps plus the m = 8p point of section [1]
@@ -448,7 +450,7 @@ def plot(bubble: dict, mem: dict, ms: list[int], path: Path, note: str, tables: 
         if full is not None:
             ax_mem.plot([MEMORY_M], [full["temp_bytes"] / MIB], marker, color=colors[label], ms=7,
                         label=f"{names[label]} (m={MEMORY_M} only)")
-    # the schedules not timed here: their formula (line) and their table's count (squares)
+    # interleaved (not timed here) and ZB-H1: their formula (line) and their table's count (squares)
     for label, formula, text in (("interleaved_r2", lambda m: (PIPE - 1) / (2 * m + PIPE - 1), "(p-1)/(2m+p-1)"),
                                  ("zb_h1", lambda m: (PIPE - 1) / (3 * m + PIPE - 1), "(p-1)/(3m+p-1), F=B=W")):
         (line,) = ax.plot(grid, formula(grid), ":", color=colors[label], lw=1.5,
@@ -597,6 +599,12 @@ def main(argv: list[str] | None = None) -> int:
         for p in res["points"]:
             print(f"RESULT bubble_{label}_m{p['m']}  measured {p['bubble_measured']:.3f}  "
                   f"formula {p['bubble_formula']:.3f}  table {p['bubble_table']:.3f}")
+    # ZB-H1 against 1F1B, side by side in the same rounds: the same work (the split backward);
+    # on simulated CPU devices an idle stage's op is skipped, so this is work and per-tick overhead
+    # (ZB-H1 runs 3M + P - 1 ticks to 1F1B's M + 2P - 2), not the bubble a pod would see
+    for zp, op in zip(bubble["zb_h1"]["points"], bubble["1f1b"]["points"]):
+        print(f"RESULT step_ratio_zb_h1_over_1f1b_m{zp['m']}  {zp['step_ms'] / op['step_ms']:.3f}  "
+              f"(wall; CPU time {zp['cpu_ms'] / op['cpu_ms']:.3f})")
     print("  (measured = c / (a m + c) from the wall-clock fit; on simulated CPU devices this is the fill/drain")
     print("   cost in executed work: GPipe/circular compute masked work in their bubble, 1F1B skips idle halves")
     print("   with lax.cond, so its CPU figure is per-step fixed cost, while on real accelerators it would follow the formula)")

@@ -33,7 +33,8 @@ def test_bench_pipeline_tiny(tmp_path):
     assert png.is_file() and png.stat().st_size > 1000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     figures = json.loads(out_json.read_text())
-    assert set(figures["bubble"]) == {"gpipe", "circular_r2", "1f1b"}
+    assert set(figures["bubble"]) == {"gpipe", "circular_r2", "1f1b", "zb_h1"}
+    assert re.search(r"^RESULT step_ratio_zb_h1_over_1f1b_m4\s+\d+\.\d+", proc.stdout, re.M), proc.stdout
     for res in figures["bubble"].values():
         assert [p["m"] for p in res["points"]] == [4, 8]
     # Every schedule's first step starts from the same parameters and batch: same loss.
