@@ -97,3 +97,16 @@ def test_split_op_costs_are_the_cost_models():
     want = kept_costs("zb_h1", share)
     assert b / f == pytest.approx(want["B"], rel=0.05), (b / f, want, share)
     assert w / f == pytest.approx(want["W"], rel=0.05), (w / f, want, share)
+
+
+def test_every_collective_is_heavy():
+    """W never computes a collective again (it reads B's result): the split's list of collective
+    primitives names every one jax's parallel module defines but the device index (a guard for
+    a JAX upgrade that adds one)."""
+    from jax._src import core
+    from jax._src.lax import parallel
+
+    from parallax.parallel.split_backward import _COLLECTIVES
+
+    defined = {v.name for v in vars(parallel).values() if isinstance(v, core.Primitive)} - {"axis_index"}
+    assert defined <= _COLLECTIVES, defined - _COLLECTIVES

@@ -30,14 +30,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
-from jax._src import core as _core  # the primitive type, to list the collectives by name
-from jax._src import source_info_util as _source_info
-from jax._src.lax import parallel as _parallel
+from jax._src import source_info_util as _source_info  # (the rebound equations keep their op names)
 from jax.extend import core as jcore
 
-# Equations W never computes again from its own inputs: matmuls, loops, conditionals, the
-# collectives (every primitive of jax.lax's parallel module but the device index) and calls
-_COLLECTIVES = {v.name for v in vars(_parallel).values() if isinstance(v, _core.Primitive)} - {"axis_index"}
+# Equations W never computes again from its own inputs: matmuls, loops, conditionals, calls and
+# the collectives (the primitives of jax 0.10's jax._src.lax.parallel but the device index)
+_COLLECTIVES = {"all_gather", "all_gather_done", "all_gather_invariant", "all_gather_reduced",
+                "all_gather_reduced_start", "all_gather_start", "all_to_all", "all_to_all_done", "all_to_all_start",
+                "pbroadcast", "pbroadcast_done", "pbroadcast_start", "pmax", "pmin", "ppermute", "ppermute_done",
+                "ppermute_start", "precv", "preduced", "psend", "psum", "psum_done", "psum_invariant",
+                "psum_invariant_start", "psum_start", "ragged_all_to_all", "reduce_scatter", "reduce_scatter_done",
+                "reduce_scatter_start", "unreduced_psum", "unreduced_psum_start", "unreduced_reduce_scatter",
+                "unreduced_reduce_scatter_start"}
 _HEAVY = {"dot_general", "conv_general_dilated", "ragged_dot_general", "scan", "while", "cond",
           "custom_call", "pallas_call", "custom_vjp_call", "custom_jvp_call", *_COLLECTIVES}
 _CASTS = {"pvary", "pcast"}  # casts between shard_map's types (no data moves)
