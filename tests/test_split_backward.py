@@ -101,12 +101,12 @@ def test_split_op_costs_are_the_cost_models():
 
 def test_every_collective_is_heavy():
     """W never computes a collective again (it reads B's result): the split's list of collective
-    primitives names every one jax's parallel module defines but the device index (a guard for
-    a JAX upgrade that adds one)."""
+    primitives names every one jax's parallel module defines but the device index and the type
+    casts (a guard for a JAX upgrade that adds one)."""
     from jax._src import core
     from jax._src.lax import parallel
 
-    from parallax.parallel.split_backward import _COLLECTIVES
+    from parallax.parallel.split_backward import _CASTS, _COLLECTIVES
 
-    defined = {v.name for v in vars(parallel).values() if isinstance(v, core.Primitive)} - {"axis_index"}
+    defined = {v.name for v in vars(parallel).values() if isinstance(v, core.Primitive)} - {"axis_index"} - _CASTS
     assert defined <= _COLLECTIVES, defined - _COLLECTIVES

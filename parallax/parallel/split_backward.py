@@ -34,7 +34,8 @@ from jax._src import source_info_util as _source_info  # (the rebound equations 
 from jax.extend import core as jcore
 
 # Equations W never computes again from its own inputs: matmuls, loops, conditionals, calls and
-# the collectives (the primitives of jax 0.10's jax._src.lax.parallel but the device index)
+# the collectives (the primitives of jax 0.10's jax._src.lax.parallel but the device index and
+# the type casts, _CASTS)
 _COLLECTIVES = {"all_gather", "all_gather_done", "all_gather_invariant", "all_gather_reduced",
                 "all_gather_reduced_start", "all_gather_start", "all_to_all", "all_to_all_done", "all_to_all_start",
                 "pbroadcast", "pbroadcast_done", "pbroadcast_start", "pmax", "pmin", "ppermute", "ppermute_done",
@@ -44,7 +45,7 @@ _COLLECTIVES = {"all_gather", "all_gather_done", "all_gather_invariant", "all_ga
                 "unreduced_reduce_scatter_start"}
 _HEAVY = {"dot_general", "conv_general_dilated", "ragged_dot_general", "scan", "while", "cond",
           "custom_call", "pallas_call", "custom_vjp_call", "custom_jvp_call", *_COLLECTIVES}
-_CASTS = {"pvary", "pcast"}  # casts between shard_map's types (no data moves)
+_CASTS = {"pvary", "pcast", "vary_unreduced_cast_p"}  # casts between shard_map's types (no data moves)
 _INLINED = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"}
 
 
