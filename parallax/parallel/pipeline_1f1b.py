@@ -35,8 +35,8 @@ buffer slots) and
 Live activation memory per stage is the table's buffers (1F1B at most 2P-1 stage inputs,
 interleaved vP+P-1 chunk inputs, ZB-H1 P+1 inputs and P cotangents) and either as many chunks'
 residuals (schedules.residual_slots: Megatron's 1F1B keeps P, the lockstep tick runs P-1 more F's
-on stage 0 before its first B; ZB-H1 B's stash beside them) or, under remat full, one chunk's, instead of M + P - 1 ticks of
-residuals; nothing of the whole batch's [B, T, D] lives through the loop (embedding the batch
+on stage 0 before its first B; ZB-H1 keeps B's stash beside them) or, under remat full, one
+chunk's, instead of M + P - 1 ticks of residuals; nothing of the whole batch's [B, T, D] lives through the loop (embedding the batch
 before it kept its output and its input cotangent, [M, B/M, T, D] each, on every stage). Idle ops
 are skipped with `lax.cond` (a real conditional per device); ticks run in lockstep (each ends with
 the forward send), so a tick lasts as long as its busiest stage (schedules.py states each table's
