@@ -67,7 +67,7 @@ KEPT_COSTS = {"1f1b": {"F": 1, "B": 2, "W": 0}, "interleaved_1f1b": {"F": 1, "B"
 
 def kept_costs(name: str, attention_share: float = 0.0) -> dict[str, float]:
     """KEPT_COSTS[name] for a model whose attention scores are `attention_share` of a forward's
-    matmul FLOPs (cost.attention_share): ZB-H1's split B runs the chain's input-gradient matmuls
+    matmul FLOPs (transformer.attention_share): ZB-H1's split B runs the chain's input-gradient matmuls
     (the forward's projections' cost) and the scores' backward (twice their forward: on the
     chain), W the projections' weight gradients alone: B = 1 + a, W = 1 - a. (Compiled on CPU,
     bench_pipeline [4]: B 1.118, W 0.872 where the model's a is 0.111.)"""

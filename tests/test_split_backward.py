@@ -64,8 +64,8 @@ def test_split_op_costs_are_the_cost_models():
     """A pipeline stage chunk's F, split B and W, compiled (XLA:CPU cost_analysis, one device):
     B and W from F's residuals together are 1F1B's B, and their ratio to F is
     schedules.kept_costs' for the model's attention share (B = 1 + a, W = 1 - a, within 5%)."""
-    from parallax.analysis.cost import Grid, Workload, attention_share
     from parallax.config import Config, MeshConfig, ModelConfig, ParallelConfig, TrainConfig
+    from parallax.model.transformer import attention_share
     from parallax.parallel.pipeline import stage_fn
     from parallax.schedules import kept_costs
     from parallax.train.build import build
@@ -93,7 +93,7 @@ def test_split_op_costs_are_the_cost_models():
     w = flops(lambda res, ct, st: split_of(res, ct).w((res, ct), st), leaves, x, stash)
     whole = flops(apply, leaves, x)
     assert b + w == pytest.approx(whole, rel=0.01), (b, w, whole)
-    share = float(attention_share(Workload.of(cfg), Grid.of(cfg, {"data": 1, "tensor": 1, "pipe": 2, "expert": 1})))
+    share = attention_share(cfg.model, cfg.train.seq_len)
     want = kept_costs("zb_h1", share)
     assert b / f == pytest.approx(want["B"], rel=0.05), (b / f, want, share)
     assert w / f == pytest.approx(want["W"], rel=0.05), (w / f, want, share)

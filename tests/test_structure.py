@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "parallax"
 ORDER = [
     "config", "schedules", "parallelism",
     "model.logical", "model.layers", "model.vocab", "model.kernels", "model.attention", "model.fp8", "model.fp8_state", "model.moe", "model.transformer",
-    "parallel.mesh", "parallel.targets", "parallel.sharding", "parallel.fused_attention", "parallel.expert_parallel", "parallel.pipeline", "parallel.pipeline_tables", "parallel.residuals", "parallel.pipeline_1f1b",
+    "parallel.mesh", "parallel.targets", "parallel.sharding", "parallel.fused_attention", "parallel.expert_parallel", "parallel.pipeline", "parallel.pipeline_tables", "parallel.residuals", "parallel.split_backward", "parallel.stage_slices", "parallel.pipeline_1f1b",
     "train.distributed", "train.optim", "train.train_state",
     "train.tokenizer", "train.sources", "train.prepare", "train.data", "train.input", "train.train_step", "train.build",
     "train.checkpoint", "train.metrics", "train.tracker", "train.goodput", "train.profiler", "train.loop",

@@ -523,14 +523,6 @@ def _forward_flops(s: Dims, attention: str) -> tuple[Any, Any, Any, Any]:
     return attn, wo, experts, s.unit * block + (s.unit - s.moe) * dense + s.moe * moe
 
 
-def attention_share(w: Workload, g: Grid, attention: str = "xla") -> Any:
-    """The attention scores' share of a unit's forward matmul FLOPs: what ZB-H1's split B runs
-    beyond a forward and its W short of one (schedules.kept_costs)."""
-    s = Dims(w, g, attention=attention)
-    attn, _, _, fwd = _forward_flops(s, attention)
-    return s.unit * attn * s.N * s.H * s.T / fwd
-
-
 def hardware_flops_per_device(w: Workload, g: Grid, attention: str = "xla") -> dict[str, Any]:
     """FLOPs one device executes per step, by part (what sets its compute time).
 

@@ -47,8 +47,8 @@ import numpy as np
 from parallax.config import (Config, ConfigError, Fp8Config, ModelConfig, TrainConfig, UserError, apply_overrides,
                              expert_d_ff, load_experiment, stack_length)
 from parallax.analysis.collectives import collective_terms
-from parallax.analysis.cost import (Grid, Workload, attention_share, hardware_flops_per_device, memory_parts,
-                                    memory_platform, model_flops_per_step)
+from parallax.analysis.cost import (Grid, Workload, hardware_flops_per_device, memory_parts, memory_platform,
+                                    model_flops_per_step)
 from parallax.parallelism import (CIRCULAR, GPIPE, INTERLEAVED, LAYOUT_FIELDS, ONE_F_ONE_B, REMATS, SCHEDULES, ZB_H1,
                                   bubble, keeps_residuals, legal, lockstep_bubble, own_gradients, pipelined)
 from parallax.analysis.presets import PUBLISHED  # noqa: F401 - re-exported: the published runs beside compare_published
@@ -147,8 +147,10 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     # ticks in lockstep under the compiled op costs (schedules.COMPILED_COSTS, or kept_costs for the
     # attention share where B and W start from F's residuals; 1F1B and interleaved: the formula,
     # ZB-H1: more than the paper's)
+    from parallax.model.transformer import attention_share  # (counts only: as cost.model_flops_per_step)
+
     lockstep = lockstep_bubble(sched, p, m_, g.repeats, keeps_residuals(sched, g.remat, attention),
-                               attention_share(w, g, attention))
+                               attention_share(w.model, w.seq_len, attention))
     stretch = np.where(f1b, 1 / (1 - np.where(f1b, lockstep, 0)), 1.0)
     t_compute = t_blocks * stretch + (hw["head"] + hw["embedding"] + hw["optimizer"]) / rate
     strides = {"tensor": 1, "expert": t, "data": t * e, "pipe": t * e * d}  # device order: tensor innermost

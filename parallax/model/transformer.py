@@ -307,6 +307,19 @@ def active_params(c: ModelConfig) -> int:
     return count_params(c)["total"] - n_moe * (_moe_ffn_params(c, active=False) - _moe_ffn_params(c, active=True))
 
 
+def attention_share(c: ModelConfig, seq_len: int, kernel: str = "xla") -> float:
+    """The attention scores' share of a layer's forward matmul FLOPs (MoE: its active experts):
+    what ZB-H1's split B runs beyond a forward and its W short of one (schedules.kept_costs).
+    XLA's attention computes the whole [T, T] scores (4 N H T per token), a fused kernel the
+    causal half (2 N H T)."""
+    h = c.d_model // c.n_heads
+    scores = (4 if kernel == "xla" else 2) * c.n_heads * h * seq_len
+    projections = 2 * c.d_model * h * (2 * c.n_heads + 2 * c.n_kv_heads)
+    n_moe = moe_layers(c)
+    ffn = ((c.n_layers - n_moe) * 6 * c.d_model * c.d_ff + n_moe * 2 * _moe_ffn_params(c, active=True)) / c.n_layers
+    return scores / (projections + scores + ffn)
+
+
 def flops_per_token(c: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 * N_matmul + causal attention.
 

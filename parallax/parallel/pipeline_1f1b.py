@@ -95,7 +95,6 @@ from flax import traverse_util
 
 from parallax.model.fp8 import FP8_COLLECTION, META_DTYPE, quantize_weights_now, scales_each_use
 from parallax.model.fp8_state import padding_value
-from parallax.model.layers import CastWeight, QuantizedWeight
 from parallax.model.transformer import Transformer, moe_stat_shapes
 from parallax.model.logical import entry_axes, keep_axes, spec_axes, vary, varying_axes
 from parallax.parallel.mesh import DATA, PIPE
@@ -104,6 +103,8 @@ from parallax.parallel.pipeline import (gather_stage_weights, manual_over, send_
                                        to_layer_major, to_stages, unit_fn, unit_mask, with_batch_amaxes)
 from parallax.parallel.pipeline_tables import as_masters, carried_tables, reduce_table, table_out_spec, to_update
 from parallax.parallel import residuals, split_backward
+from parallax.parallel.stage_slices import (add_at, add_leaves, at, at_unit, get, masters, pick, put, update_at,
+                                           with_masters, zero_masters)
 from parallax.parallel.sharding import BATCH_AXES
 
 _NOTHING = -jnp.inf  # fm32's zero: the identity of the max that combines FP8 states
@@ -116,24 +117,6 @@ def _as_meta(tree: Any) -> Any:
 def _nothing_like(tree: Any) -> Any:
     """The FP8 'no new state' of a bubble tick: -inf, typed (varying) as `tree`."""
     return jax.tree.map(lambda x: vary(jnp.full(x.shape, _NOTHING, jnp.float32), sorted(varying_axes(x))), tree)
-
-
-def _is_weight(a: Any) -> bool:
-    return isinstance(a, (QuantizedWeight, CastWeight))
-
-
-def _masters(tree: Any) -> Any:
-    """The master weights of a stage's parameters (a QuantizedWeight's or CastWeight's `master`):
-    what the VJPs differentiate."""
-    return jax.tree.map(lambda a: a.master if _is_weight(a) else a, tree, is_leaf=_is_weight)
-
-
-def _with_masters(tree: Any, masters: Any) -> Any:
-    return jax.tree.map(lambda a, w: a._replace(master=w) if _is_weight(a) else w, tree, masters, is_leaf=_is_weight)
-
-
-def _zero_masters(tree: Any) -> Any:
-    return jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), tree)
 
 
 def _reduce(g: jax.Array, spec: P, manual: set[str]) -> jax.Array:
@@ -151,67 +134,6 @@ def _reduce(g: jax.Array, spec: P, manual: set[str]) -> jax.Array:
         return jax.lax.psum(g, replicated) if replicated else g
 
     return manual_over(reduce, stage_placement(spec, manual))(g)[:, None]
-
-
-def _at(tree: Any, c: jax.Array, v: int) -> Any:
-    """Chunk c of a stage's [v, ...] leaves (v = 1: the only one, no dynamic slice)."""
-    return jax.tree.map(lambda a: a[0] if v == 1 else jax.lax.dynamic_index_in_dim(a, c, keepdims=False), tree)
-
-
-def _add_at(tree: Any, c: jax.Array, update: Any, v: int, op: Callable = jnp.add) -> Any:
-    """tree[c] = op(tree[c], update) over [v, ...] leaves."""
-    def one(a: jax.Array, u: jax.Array) -> jax.Array:
-        if v == 1:
-            return op(a, u[None].astype(a.dtype))
-        cur = jax.lax.dynamic_index_in_dim(a, c, keepdims=True)
-        return jax.lax.dynamic_update_index_in_dim(a, op(cur, u[None].astype(a.dtype)), c, 0)
-
-    return jax.tree.map(one, tree, update)
-
-
-def _at_unit(tree: Any, c: jax.Array, l: jax.Array, v: int) -> Any:
-    """Unit l of chunk c of a stage's [v, Lc, ...] leaves, sliced alone: with v > 1 a dynamic
-    chunk's whole slice is a copy of the chunk's weights (ZeRO-1: its float32 masters, 14.7 GiB
-    per device for the interleaved dense-1T row; BUILD_NOTES.md)."""
-    def one(a: jax.Array) -> jax.Array:
-        if v == 1:
-            return jax.lax.dynamic_index_in_dim(a[0], l, keepdims=False)
-        return jax.lax.dynamic_slice(a, (c, l, *([0] * (a.ndim - 2))), (1, 1, *a.shape[2:]))[0, 0]
-
-    return jax.tree.map(one, tree)
-
-
-def _update_at(tree: Any, c: jax.Array, l: jax.Array, update: Any, op: Callable = jnp.add) -> Any:
-    """tree[c, l] = op(tree[c, l], update) over [v, Lc, ...] leaves, in place (a dynamic slice)."""
-    def one(a: jax.Array, u: jax.Array) -> jax.Array:
-        at = (c, l, *([0] * (a.ndim - 2)))
-        cur = jax.lax.dynamic_slice(a, at, (1, 1, *a.shape[2:]))
-        return jax.lax.dynamic_update_slice(a, op(cur, u[None, None].astype(a.dtype)), at)
-
-    return jax.tree.map(one, tree, update)
-
-
-def _pick(tree: Any, mask: tuple[bool, ...], which: bool) -> list:
-    """The leaves of `tree` where `mask` is `which`."""
-    return [a for a, m in zip(jax.tree.leaves(tree), mask) if m == which]
-
-
-def _add_leaves(tree: Any, c: jax.Array, picked: list, mask: tuple[bool, ...], which: bool, v: int) -> Any:
-    """_add_at on the leaves `_pick(tree, mask, which)` picked (the others untouched)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    at = [i for i, m in enumerate(mask) if m == which]
-    added = jax.tree.leaves(_add_at([leaves[i] for i in at], c, picked, v))
-    for i, a in zip(at, added):
-        leaves[i] = a
-    return jax.tree.unflatten(treedef, leaves)
-
-
-def _put(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(buf, x, slot, 0)
-
-
-def _get(buf: jax.Array, slot: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_index_in_dim(buf, slot, keepdims=False)
 
 
 def make_scheduled_value_and_grad(
@@ -310,19 +232,19 @@ def make_scheduled_value_and_grad(
         def chunk_vjp(w: Any, f: Any, x: jax.Array, docs: Any, chunk: jax.Array) -> tuple[Any, Any, dict]:
             """((y, router loss), VJP function, stats) of chunk `chunk` (weights w [Lc, ...]) on x:
             the VJP w.r.t. (w's masters, FP8 state, x) that B applies."""
-            return jax.vjp(lambda m, f, h: stage(_with_masters(w, m), f, h, docs, chunk), _masters(w), f, x,
+            return jax.vjp(lambda m, f, h: stage(with_masters(w, m), f, h, docs, chunk), masters(w), f, x,
                            has_aux=True)
 
         def kept_vjp(chunk: jax.Array, x: jax.Array, docs: Any, bufs: list, slot: jax.Array) -> Callable:
             """The VJP function of chunk `chunk` on x, its residuals F's from slot `slot` of `bufs`:
             the forward traced here again is dead code but what the weights alone give."""
-            leaves, tree = kept_leaves(chunk, x, docs, [_get(buf, slot) for buf in bufs])
+            leaves, tree = kept_leaves(chunk, x, docs, [get(buf, slot) for buf in bufs])
             return jax.tree.unflatten(tree, leaves)
 
         def kept_leaves(chunk: jax.Array, x: jax.Array, docs: Any, kept: list) -> tuple[list, Any]:
             """kept_vjp's (residual leaves, tree), the kept ones given (sliced by the caller inside
             its conditional's branch: a conditional's operand is a copy)."""
-            _, vjp, _ = chunk_vjp(_at(weights, chunk, v), _at(fp8_all, chunk, v), x, docs, chunk)
+            _, vjp, _ = chunk_vjp(at(weights, chunk, v), at(fp8_all, chunk, v), x, docs, chunk)
             leaves, tree = jax.tree.flatten(vjp)
             res.made(leaves)  # (traced as plan's)
             for i, a in zip(res.kept, kept):
@@ -349,15 +271,15 @@ def make_scheduled_value_and_grad(
             at once returned the whole stage's gradient as one more buffer of the stage's weights'
             size, float32, beside the accumulator (BUILD_NOTES.md "Pipelined ZeRO-3 in the compute
             dtype"). -> (g_w, new_fp8, the stage input's cotangent)."""
-            f_c, mask = _at(fp8_all, chunk, v), unit_mask(sched, s, chunk)
+            f_c, mask = at(fp8_all, chunk, v), unit_mask(sched, s, chunk)
             n = jax.tree.leaves(weights)[0].shape[1]
-            pick = lambda tree, l: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, l, keepdims=False), tree)  # noqa: E731
+            unit_of = lambda tree, l: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, l, keepdims=False), tree)  # noqa: E731
 
             def inputs(x):  # [n, b, T, D]: each unit's input. The last unit's output is no unit's
                 # input: the loop runs n - 1 units (over all n it ran a whole unit's forward more
                 # per B, which XLA cannot drop from a loop trip: compiled for h100-8, 2026-12-07)
                 step = lambda h, xs: (  # noqa: E731
-                    unit(_at_unit(weights, chunk, xs[0], v), _as_meta(xs[1]), xs[2], docs, h)[0], h)
+                    unit(at_unit(weights, chunk, xs[0], v), _as_meta(xs[1]), xs[2], docs, h)[0], h)
                 head = jax.tree.map(lambda a: a[:n - 1], (jnp.arange(n), f_c, mask))
                 last, before = jax.lax.scan(step, x, head)
                 return jnp.concatenate([before, last[None]])
@@ -366,20 +288,20 @@ def make_scheduled_value_and_grad(
 
             def one(carry, l):
                 dh, g, nf = carry
-                w_l, f_l, real = _at_unit(weights, chunk, l, v), pick(f_c, l), None if mask is None else mask[l]
+                w_l, f_l, real = at_unit(weights, chunk, l, v), unit_of(f_c, l), None if mask is None else mask[l]
 
                 def vjp_unit(args):
                     h, dh = args
                     run = lambda w, f, h: (lambda y, st: (y, router_loss(st)))(  # noqa: E731
-                        *unit(_with_masters(w_l, w), _as_meta(f), real, docs, h))
-                    _, vjp = jax.vjp(run, _masters(w_l), f_l, h)
+                        *unit(with_masters(w_l, w), _as_meta(f), real, docs, h))
+                    _, vjp = jax.vjp(run, masters(w_l), f_l, h)
                     return vjp((dh, ones()))
 
                 def idle(args):
-                    return jax.tree.map(jnp.zeros_like, _masters(w_l)), _nothing_like(f_l), jnp.zeros_like(args[1])
+                    return jax.tree.map(jnp.zeros_like, masters(w_l)), _nothing_like(f_l), jnp.zeros_like(args[1])
 
-                d_w, d_f, dh = jax.lax.cond(busy, vjp_unit, idle, (_get(hs, l), dh))
-                return (dh, _update_at(g, chunk, l, d_w), _update_at(nf, chunk, l, d_f, jnp.maximum)), None
+                d_w, d_f, dh = jax.lax.cond(busy, vjp_unit, idle, (get(hs, l), dh))
+                return (dh, update_at(g, chunk, l, d_w), update_at(nf, chunk, l, d_f, jnp.maximum)), None
 
             (dx, g_w, new_fp8), _ = jax.lax.scan(one, (ct, g_w, new_fp8), jnp.arange(n), reverse=True)
             return g_w, new_fp8, dx
@@ -404,7 +326,7 @@ def make_scheduled_value_and_grad(
             # over (B has them: the documents are its microbatch's), the input the argument
             chunk0 = jax.lax.axis_index(PIPE) * 0  # traced, as the table's are
             docs0 = docs_of(chunk0)[0]
-            res = residuals.plan(lambda x: jax.tree.leaves(chunk_vjp(_at(weights, chunk0, v), _at(fp8_all, chunk0, v), x,
+            res = residuals.plan(lambda x: jax.tree.leaves(chunk_vjp(at(weights, chunk0, v), at(fp8_all, chunk0, v), x,
                                                                      docs0, chunk0)[1]),
                                  (varying(zeros_x),), per_microbatch=(0,), varying=PIPE)
             # Untyped residuals (residuals.plan's `untyped`: a fused attention kernel's under remat
@@ -421,7 +343,7 @@ def make_scheduled_value_and_grad(
             stash = [(a.shape, a.dtype, sorted(varying_axes(a))) for a in split.b(args)[1]]
             # per weight-gradient leaf, whether W computes it (B: a norm scale's, from cheap
             # equations alone: split_backward.Split.of)
-            w_leaves = split.to_w[:len(jax.tree.leaves(_masters(weights)))]
+            w_leaves = split.to_w[:len(jax.tree.leaves(masters(weights)))]
         stash_zeros = lambda: [vary(jnp.zeros(shape, dtype), axes) for shape, dtype, axes in stash]  # noqa: E731
 
         def tick(carry, row):
@@ -433,7 +355,7 @@ def make_scheduled_value_and_grad(
             recv_b = send_along(unsent_b, bwd_ring)
             # what arrived goes to its slot (or the trash slot): in the interleaved and ZB-H1
             # orders it may be consumed ticks later
-            act = _put(act, recv_f, op["recv_f"])
+            act = put(act, recv_f, op["recv_f"])
             # F: chunk c_f on microbatch i_f (it reads the FP8 state; the B's recomputation records it)
             f_busy, c_f, i_f = op["f_busy"] == 1, op["f_chunk"], op["f_mb"]
             docs_f, mask_f = docs_of(i_f)
@@ -442,18 +364,18 @@ def make_scheduled_value_and_grad(
             first_f = f_busy & (s == 0) & (c_f == 0)
             tokens_f = jax.lax.dynamic_index_in_dim(micro_tok, i_f, keepdims=False)
             inp = jax.lax.cond(first_f, lambda a: varying(embed(outer, a[0])), lambda a: a[1],
-                               (tokens_f, _get(act, op["f_act"])))
-            act = _put(act, inp, op["f_act"])  # kept for the B (and W): recomputed from, or a residual
+                               (tokens_f, get(act, op["f_act"])))
+            act = put(act, inp, op["f_act"])  # kept for the B (and W): recomputed from, or a residual
 
             def forward(x):
                 if res is not None:  # F keeps what its microbatch made of the VJP's residuals for its B
-                    (y, r), vjp, stats = chunk_vjp(_at(weights, c_f, v), _at(fp8_all, c_f, v), x, docs_f, c_f)
+                    (y, r), vjp, stats = chunk_vjp(at(weights, c_f, v), at(fp8_all, c_f, v), x, docs_f, c_f)
                     made = res.made(jax.tree.leaves(vjp))
                 else:
                     # several chunks: each unit slices its own weights (a chunk's dynamic slice
-                    # was a copy of its weights: _at_unit)
+                    # was a copy of its weights: at_unit)
                     (y, r), stats = (stage(weights, fp8_all, x, docs_f, c_f, stacked=True) if v > 1 else
-                                     stage(_at(weights, c_f, v), _at(fp8_all, c_f, v), x, docs_f, c_f))
+                                     stage(at(weights, c_f, v), at(fp8_all, c_f, v), x, docs_f, c_f))
                     made = []
                 return y, r, {k: stats[k].astype(jnp.float32) for k in stat_shapes}, made
 
@@ -463,8 +385,8 @@ def make_scheduled_value_and_grad(
                         res.zeros() if res is not None else [])
 
             out, r_value, stats, made = jax.lax.cond(f_busy, forward, no_forward, inp)
-            kept = [_put(buf, a, op["f_res"]) for buf, a in zip(kept, made)]  # an idle F's: a free slot
-            acc = _add_at(acc, c_f, stats, v)
+            kept = [put(buf, a, op["f_res"]) for buf, a in zip(kept, made)]  # an idle F's: a free slot
+            acc = add_at(acc, c_f, stats, v)
             # the loss head after the last chunk on the last stage, straight into its cotangent
             targets = jax.lax.dynamic_index_in_dim(micro_t, i_f, keepdims=False)
 
@@ -479,13 +401,13 @@ def make_scheduled_value_and_grad(
                 return value, d_outer, d_fp8, dy
 
             def no_head(args):
-                return (varying(jnp.zeros((), jnp.float32)), _zero_masters(outer),
+                return (varying(jnp.zeros((), jnp.float32)), zero_masters(outer),
                         _nothing_like(head_fp8), jnp.zeros_like(args[0]))
 
             is_head = f_busy & (s == p - 1) & (c_f == v - 1)
             value, d_outer, d_head_fp8, dy = jax.lax.cond(is_head, head, no_head, (out, targets))
-            cot = _put(cot, dy, op["f_cot"])  # the trash slot unless this was the head
-            cot = _put(cot, recv_b, op["recv_b"])
+            cot = put(cot, dy, op["f_cot"])  # the trash slot unless this was the head
+            cot = put(cot, recv_b, op["recv_b"])
             # B: recompute chunk c_b from its buffered input, apply the buffered output cotangent.
             # Split (ZB-H1): the input gradient only (and the FP8 state); the weights' is W's.
             b_busy, c_b, i_b = op["b_busy"] == 1, op["b_chunk"], op["b_mb"]
@@ -493,48 +415,48 @@ def make_scheduled_value_and_grad(
 
             def backward(args):
                 x, ct, bufs = args
-                w_b, f_b = _at(weights, c_b, v), _at(fp8_all, c_b, v)
+                w_b, f_b = at(weights, c_b, v), at(fp8_all, c_b, v)
                 if stash is not None:  # B's half of the split backward, its stash for the W
-                    split, split_args = split_vjp(c_b, x, docs_b, [_get(buf, op["b_res"]) for buf in bufs], ct)
+                    split, split_args = split_vjp(c_b, x, docs_b, [get(buf, op["b_res"]) for buf in bufs], ct)
                     outs, handed = split.b(split_args)
                     d_w, d_fp8, dx = split.outputs(outs, [0] * len(outs))  # (0: W's, a placeholder)
-                    return d_fp8, dx, handed, _pick(d_w, w_leaves, False)
+                    return d_fp8, dx, handed, pick(d_w, w_leaves, False)
                 if res is not None:
                     return kept_vjp(c_b, x, docs_b, bufs, op["b_res"])((ct, ones()))
                 if tab.split:
                     _, vjp = jax.vjp(lambda f, h: stage(w_b, f, h, docs_b, c_b)[0], f_b, x)
                     d_fp8, dx = vjp((ct, ones()))
-                    return jax.tree.map(jnp.zeros_like, _masters(w_b)), d_fp8, dx
-                _, vjp = jax.vjp(lambda w, f, h: stage(_with_masters(w_b, w), f, h, docs_b, c_b)[0], _masters(w_b),
+                    return jax.tree.map(jnp.zeros_like, masters(w_b)), d_fp8, dx
+                _, vjp = jax.vjp(lambda w, f, h: stage(with_masters(w_b, w), f, h, docs_b, c_b)[0], masters(w_b),
                                  f_b, x)
                 return vjp((ct, ones()))
 
             def no_backward(args):
                 if stash is not None:
-                    return (_nothing_like(_at(fp8_all, 0, v)), jnp.zeros_like(args[0]), stash_zeros(),
-                            _pick(jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v)), w_leaves, False))
-                return (jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v)), _nothing_like(_at(fp8_all, 0, v)),
+                    return (_nothing_like(at(fp8_all, 0, v)), jnp.zeros_like(args[0]), stash_zeros(),
+                            pick(jax.tree.map(jnp.zeros_like, at(masters(weights), 0, v)), w_leaves, False))
+                return (jax.tree.map(jnp.zeros_like, at(masters(weights), 0, v)), _nothing_like(at(fp8_all, 0, v)),
                         jnp.zeros_like(args[0]))
 
             if stash is not None:
                 d_fp8, dx, handed, d_w = jax.lax.cond(b_busy, backward, no_backward,
-                                                      (_get(act, op["b_act"]), _get(cot, op["b_cot"]), kept))
-                g_w = _add_leaves(g_w, c_b, d_w, w_leaves, False, v)
+                                                      (get(act, op["b_act"]), get(cot, op["b_cot"]), kept))
+                g_w = add_leaves(g_w, c_b, d_w, w_leaves, False, v)
                 # into the residual slot's stash (the slot is its F's until W: B to W lies inside
                 # F to W); an idle B's into the trash slot
                 slot = jnp.where(b_busy, op["b_res"], tab.res_slots)
-                stashed = [_put(buf, a, slot) for buf, a in zip(stashed, handed)]
-                new_fp8 = _add_at(new_fp8, c_b, d_fp8, v, jnp.maximum)
+                stashed = [put(buf, a, slot) for buf, a in zip(stashed, handed)]
+                new_fp8 = add_at(new_fp8, c_b, d_fp8, v, jnp.maximum)
             elif by_unit:
-                g_w, new_fp8, dx = backward_by_unit(b_busy, c_b, _get(act, op["b_act"]), _get(cot, op["b_cot"]),
+                g_w, new_fp8, dx = backward_by_unit(b_busy, c_b, get(act, op["b_act"]), get(cot, op["b_cot"]),
                                                     docs_b, g_w, new_fp8)
             else:
                 d_w, d_fp8, dx = jax.lax.cond(b_busy, backward, no_backward,
-                                              (_get(act, op["b_act"]), _get(cot, op["b_cot"]),
+                                              (get(act, op["b_act"]), get(cot, op["b_cot"]),
                                                kept))
                 if not tab.split:  # weight gradients accumulate in float32 whatever the compute dtype
-                    g_w = _add_at(g_w, c_b, d_w, v)
-                new_fp8 = _add_at(new_fp8, c_b, d_fp8, v, jnp.maximum)
+                    g_w = add_at(g_w, c_b, d_w, v)
+                new_fp8 = add_at(new_fp8, c_b, d_fp8, v, jnp.maximum)
             # stage 0's first chunk: dx is its embedding's output cotangent; the table's gradient
             # (a scatter-add) is added where it is computed, so idle ticks add nothing
             tokens_b = jax.lax.dynamic_index_in_dim(micro_tok, i_b, keepdims=False)
@@ -553,20 +475,20 @@ def make_scheduled_value_and_grad(
                 def weight_grad(args):
                     x, ct, bufs, handed = args
                     if stash is not None:  # W's half of the split backward: F's residuals and B's stash
-                        split, split_args = split_vjp(c_w, x, docs_w, [_get(buf, op["w_res"]) for buf in bufs], ct)
-                        outs = split.w(split_args, [_get(buf, op["w_res"]) for buf in handed])
-                        return _pick(split.outputs([0] * len(outs), outs)[0], w_leaves, True)
-                    f_w, w_w = _at(fp8_all, c_w, v), _at(weights, c_w, v)
-                    _, vjp = jax.vjp(lambda w: stage(_with_masters(w_w, w), f_w, x, docs_w, c_w)[0], _masters(w_w))
+                        split, split_args = split_vjp(c_w, x, docs_w, [get(buf, op["w_res"]) for buf in bufs], ct)
+                        outs = split.w(split_args, [get(buf, op["w_res"]) for buf in handed])
+                        return pick(split.outputs([0] * len(outs), outs)[0], w_leaves, True)
+                    f_w, w_w = at(fp8_all, c_w, v), at(weights, c_w, v)
+                    _, vjp = jax.vjp(lambda w: stage(with_masters(w_w, w), f_w, x, docs_w, c_w)[0], masters(w_w))
                     return vjp((ct, ones()))[0]
 
                 def no_weight_grad(args):
-                    zeros = jax.tree.map(jnp.zeros_like, _at(_masters(weights), 0, v))
-                    return zeros if stash is None else _pick(zeros, w_leaves, True)
+                    zeros = jax.tree.map(jnp.zeros_like, at(masters(weights), 0, v))
+                    return zeros if stash is None else pick(zeros, w_leaves, True)
 
                 d_w = jax.lax.cond(w_busy, weight_grad, no_weight_grad,
-                                   (_get(act, op["w_act"]), _get(cot, op["w_cot"]), kept, stashed))
-                g_w = _add_at(g_w, c_w, d_w, v) if stash is None else _add_leaves(g_w, c_w, d_w, w_leaves, True, v)
+                                   (get(act, op["w_act"]), get(cot, op["w_cot"]), kept, stashed))
+                g_w = add_at(g_w, c_w, d_w, v) if stash is None else add_leaves(g_w, c_w, d_w, w_leaves, True, v)
             g_outer = jax.tree.map(jnp.add, g_outer, d_outer)
             new_head_fp8 = jax.tree.map(jnp.maximum, new_head_fp8, d_head_fp8)
             sent_f = send_along(out, fwd_ring)
@@ -577,7 +499,7 @@ def make_scheduled_value_and_grad(
             zeros_x, zeros_x,
             jnp.zeros((tab.act_slots + 1, *zeros_x.shape), zeros_x.dtype),  # + the trash slot
             jnp.zeros((tab.cot_slots + 1, *zeros_x.shape), zeros_x.dtype),
-            jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), _masters(weights)), _zero_masters(outer),
+            jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), masters(weights)), zero_masters(outer),
             None, None, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
             {k: jnp.zeros((v, *shape), jnp.float32) for k, shape in stat_shapes.items()},
         )

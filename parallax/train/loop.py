@@ -326,13 +326,12 @@ class StepRecord:
         # they start from F's residuals, for the model's attention share)
         self.bubble_compiled = None
         if self.schedule is not None and self.schedule.own_gradients:
-            from parallax.analysis.cost import Grid, Workload, attention_share
+            from parallax.model.transformer import attention_share
 
             model = built.layout.model
             if keeps(model, self.schedule):
                 kernel = model.attend.kernel if model.attend is not None else "xla"
-                share = float(attention_share(Workload.of(cfg), Grid.of(cfg, dict(built.mesh.shape)), kernel))
-                costs = kept_costs(self.schedule.name, share)
+                costs = kept_costs(self.schedule.name, attention_share(cfg.model, t.seq_len, kernel))
             else:
                 costs = COMPILED_COSTS[self.schedule.name]
             self.bubble_compiled = self.schedule.bubble_fraction_at(costs)
