@@ -98,20 +98,44 @@ class _Terms:
         self.add(("tensor",), "reduce-scatter", what, nbytes / s.t, execs, on & rs, "exposed", static, s.t)
 
 
-def collective_terms(w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla") -> list[Term]:
+def collective_terms(w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla",
+                     scatter_all_reduce_group: int = 0) -> list[Term]:
     """Every collective family of one step, per device, family by family (tensor, expert, pipe,
     data: the order audit.py and plan.py have always read). Terms of size 0 are kept (zero bytes).
-    `attention`: the kernel the step runs (parallelism.attention_kernel; Dims)."""
+    `attention`: the kernel the step runs (parallelism.attention_kernel; Dims).
+    `scatter_all_reduce_group`: the group whose reduce-scatters the target's compiler writes as
+    all-reduces (targets.Target.scatter_all_reduce_group; 0: none)."""
     if w.grad_accum > 1:
-        return _accumulated_terms(w, g, platform)
-    s = Dims(w, g, platform, attention)
-    return tensor_terms(s) + expert_terms(s) + pipe_terms(s) + data_terms(s)
+        terms = _accumulated_terms(w, g, platform, scatter_all_reduce_group)
+    else:
+        s = Dims(w, g, platform, attention, scatter_all_reduce_group)
+        terms = tensor_terms(s) + expert_terms(s) + pipe_terms(s) + data_terms(s)
+    return scatters_as_all_reduces(terms, scatter_all_reduce_group) if scatter_all_reduce_group else terms
+
+
+def scatters_as_all_reduces(terms: list[Term], group: int) -> list[Term]:
+    """Each reduce-scatter term over `group` devices as the all-reduce of the whole that the
+    compiler writes in its place (result `group` times the shard; targets.Target
+    .scatter_all_reduce_group). On a grid a term's group varies by layout: it is split into the
+    two kinds, each on where it applies (zero executions elsewhere)."""
+    out = []
+    for t in terms:
+        if t.kind != "reduce-scatter":
+            out.append(t)
+            continue
+        whole = np.asarray(t.group) == group
+        out.append(dataclasses.replace(t, executions=np.where(whole, 0, t.executions),
+                                       static=np.where(whole, 0, t.static)))
+        out.append(dataclasses.replace(t, kind="all-reduce", bytes=t.bytes * t.group,
+                                       executions=np.where(whole, t.executions, 0),
+                                       static=np.where(whole, t.static, 0)))
+    return out
 
 
 LAYER_GATHERS = "ZeRO-3: layer weights"  # the one ZeRO gather family that runs in every microstep
 
 
-def _accumulated_terms(w: Workload, g: Grid, platform: str) -> list[Term]:
+def _accumulated_terms(w: Workload, g: Grid, platform: str, scatter_all_reduce_group: int = 0) -> list[Term]:
     """train.grad_accum = A (train_step.accumulate; no pipelining): every family of one microstep
     of B / A rows runs A times, but two. The gradient reductions over the batch axes run once,
     after the scan and exposed, where parallelism.reduces_once holds (per microstep, behind its
@@ -119,7 +143,7 @@ def _accumulated_terms(w: Workload, g: Grid, platform: str) -> list[Term]:
     gathers the layer weights again in every microstep (inside the layer loop), the embedding,
     head and final norm once (the compiler hoists those loop-invariant gathers out of the scan:
     seen on XLA:CPU, data 4 x tensor 2)."""
-    A, s = w.grad_accum, Dims(w.microstep, g, platform)
+    A, s = w.grad_accum, Dims(w.microstep, g, platform, scatter_all_reduce_group=scatter_all_reduce_group)
     once = reduces_once_on(w, g)
     times = lambda t, n, overlap=None: dataclasses.replace(  # noqa: E731
         t, executions=t.executions * n, static=t.static * n, overlap=overlap or t.overlap)
@@ -203,12 +227,11 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
     # recomputes q/k/v from the attention norm's gathered output, and W, recomputing the norm
     # from the residual (cheap: not stashed), gathers it again; under dots only W gathers the
     # norms; under none they are residuals. (compiled for h100-8, 4 layers, SP: 2026-12-07)
-    zb_split = s.zb & ~s.zb_rerun
     regathers = 2 * (chunk_runs + np.where(s.remat != NONE, policy_runs * s.unit, 0)) * halves \
-        + zb_split * (s.remat >= SAVE_ATTN_MLP) * s.busy_layers * halves
+        + s.zb_split * (s.remat >= SAVE_ATTN_MLP) * s.busy_layers * halves
     for what, n in (("sequence-parallel norm gathers forward (2 per layer)", gathers),
                     ("sequence-parallel cotangent gathers backward (2 per layer)",
-                     gathers * (1 + s.zb_rerun * w_gathers + zb_split)),
+                     gathers * (1 + s.zb_rerun * w_gathers + s.zb_split)),
                     ("sequence-parallel norm gathers recomputed", regathers)):
         out.add(("tensor",), "all-gather", what, s.act_run / halves, n, on_t & s.sp, "exposed", n * s.static_scale, s.t)
     out.add(("tensor",), "all-reduce", "sequence-parallel norm-scale gradients", 4 * s.unit_norms,
@@ -326,6 +349,9 @@ class _Reduction:
     or reduce-scatter), then over expert on the 1/data slice it keeps (seen under ZeRO-1 on
     XLA:CPU; ZeRO-3 there keeps one (data, expert) all-reduce: logical.ParamPlacement.to_storage
     goes through the compute layout). Norm scales have no `embed` dimension (never ZeRO-sharded).
+    Where (data, expert) is the group the compiler keeps whole (v5p's whole slice:
+    Dims.scatter_all_reduce_group) it is not split either: one all-reduce of the whole (compiled
+    for v5p-32, data 4 x expert 4, ZeRO-3).
     """
 
     axes: tuple[str, ...]
@@ -336,7 +362,7 @@ class _Reduction:
     @classmethod
     def of(cls, s: Dims) -> _Reduction:
         scatter = (s.zero > 0) & (not s.cpu)
-        split = (s.d > 1) & (s.ep > 1) & ((s.zero == 1) | scatter) & ~s.piped
+        split = (s.d > 1) & (s.ep > 1) & ((s.zero == 1) | scatter) & ~s.piped & (s.dp != s.scatter_all_reduce_group)
         return cls(_batch_axes(s.g), (("all-reduce", ~scatter, 1), ("reduce-scatter", scatter, s.dp)), scatter, split)
 
 

@@ -124,9 +124,12 @@ class Dims:
     only) and the rest (attention, dense MLPs, norms, the replicated float32 router, shared experts).
     """
 
-    def __init__(self, w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla"):
+    def __init__(self, w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla",
+                 scatter_all_reduce_group: int = 0):
         m = w.model
         self.w, self.g = w, g
+        # the group whose reductions the compiler keeps whole (targets.Target.scatter_all_reduce_group)
+        self.scatter_all_reduce_group = scatter_all_reduce_group
         self.D, self.L, self.N, self.K, self.F, self.V = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
         self.H, self.T = m.d_model // m.n_heads, w.seq_len
         self.cpu = platform == "cpu"
@@ -153,6 +156,7 @@ class Dims:
         # them. Without residuals (remat full, a fused kernel under none) B and W each run the
         # chunk's VJP, and W the input-gradient chain again for its matmuls' output cotangents.
         self.zb_rerun = self.zb & ~self.keep
+        self.zb_split = self.zb & self.keep  # ... and with them: the split (B's stash to W)
         # ... and under remat full and its offload they recompute the chunk from its input
         self.rerun_chunk = self.f1b & ~self.keep
         # remat full outside ZB-H1 (pipeline_1f1b's backward_by_unit): B runs the chunk's first
@@ -394,7 +398,7 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # the tick's F's own before it enters its slot (a conditional's result is a buffer of its own;
     # XLA:CPU, 6 layouts of 1F1B and interleaved under none, dots and save_attn_mlp: -3% to +4%)
     chunk_res = np.where(s.keep, residual_slots(s.sched, s.p, s.M, s.r) + 1, 1) * tok_m * saved_tok
-    # ZB-H1's split backward (Dims.zb_rerun false): B hands W its weight matmuls' output
+    # ZB-H1's split backward (Dims.zb_split): B hands W its weight matmuls' output
     # cotangents (split_backward.py), per layer and token: the attention's q/k/v and output
     # projection's, the MLP's gate/up and down (the last two row-parallel outputs' T-sharded under
     # sequence parallelism, as B's program leaves them: W gathers them again, collectives.py), an
@@ -402,7 +406,7 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # slot, with an idle B's trash slot and the B's own result before it enters its slot.
     stash_tok = (s.unit * (2 * D / sp_t + (N + 2 * K) * H / t) * c + dense * 2 * F / t * c
                  + s.moe * (s.slots_tok * (2 * s.Fe / t + D) * c + s.E * 4 + s.S * (2 * s.Fe / t + D) * c)) / s.unit
-    stash = np.where(s.zb & s.keep, residual_slots(s.sched, s.p, s.M, s.r) + 2, 0) * tok_m * stash_tok
+    stash = np.where(s.zb_split, residual_slots(s.sched, s.p, s.M, s.r) + 2, 0) * tok_m * stash_tok
     f1b_saved = slots * tok_m * D * c / sp_t + s.Lc * (chunk_res + stash + saved_layer) + tick_grad + stage_acc
     activations = np.where(s.f1b, f1b_saved, np.where(s.piped, gpipe_saved, plain_saved))
     # save_attn_mlp: the unit whose backward runs at the peak holds its names in the working set

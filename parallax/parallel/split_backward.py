@@ -82,6 +82,31 @@ def _scan_parts(eqn: Any, ins: list) -> tuple[list, list, list]:
     return ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
 
 
+def _side_scan(eqn: Any, ins: list, reads: list[bool], carries: list[bool], ys: list[bool],
+               run: Callable[[list, list], tuple[list, Any]], extra_xs: list = ()) -> tuple[list, Any]:
+    """One side's part of a split scan: the consts and xs it `reads`, the `carries` and `ys` it
+    owns (the others None), `run(body inputs, this trip's extra xs) -> (body outputs, aux ys)`
+    its body; `extra_xs`: more per-trip inputs (W: B's stash). Returns (the scan's outputs, None
+    where the side does not compute them; the aux ys: B's per-trip stash)."""
+    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    c, k, x = _scan_parts(eqn, ins)
+    x_idx = [j for j, r in enumerate(reads[nc + nk:]) if r]
+
+    def step(c_in, carry, trip):
+        it = iter(carry)
+        xs = [None] * len(x)
+        for j, a in zip(x_idx, trip[:len(x_idx)]):
+            xs[j] = a
+        outs, aux = run([*c_in, *[next(it) if own else None for own in carries], *xs], trip[len(x_idx):])
+        return ([o for o, own in zip(outs[:nk], carries) if own],
+                ([o for o, own in zip(outs[nk:], ys) if own], aux))
+
+    carry, (out_ys, aux) = _rescan(eqn, [a if r else None for a, r in zip(c, reads[:nc])],
+                                   [a for a, own in zip(k, carries) if own], [x[j] for j in x_idx] + list(extra_xs), step)
+    it_k, it_y = iter(carry), iter(out_ys)
+    return [next(it_k) if own else None for own in carries] + [next(it_y) if own else None for own in ys], aux
+
+
 def _inline(jaxpr: Any, consts: list, args: list) -> list:
     """Evaluates `jaxpr`, its calls inlined and its scans' bodies too (so one walk sees every equation)."""
     env: dict = {}
@@ -240,28 +265,9 @@ def _run_b(jaxpr: Any, plan: _Plan, consts: list, args: list) -> tuple[list, lis
             continue
         ins = [read(a) for a in eqn.invars]
         if i in plan.scans:
-            sp = plan.scans[i]
-            nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
-            c, k, x = _scan_parts(eqn, ins)
-            body = eqn.params["jaxpr"].jaxpr
-            br = sp.body.b_reads
-            c_in = [a if r else None for a, r in zip(c, br[:nc])]
-            x_idx = [j for j, r in enumerate(br[nc + nk:]) if r]
-
-            def step(c_in, carry, xb, sp=sp, body=body, nc=nc, nk=nk, x_idx=x_idx, n_x=len(x)):
-                it = iter(carry)
-                ks = [next(it) if b else None for b in sp.b_carry]
-                xs = [None] * n_x
-                for j, a in zip(x_idx, xb):
-                    xs[j] = a
-                outs, stash = _run_b(body, sp.body, [], [*c_in, *ks, *xs])
-                return ([o for o, b in zip(outs[:nk], sp.b_carry) if b],
-                        ([o for o, b in zip(outs[nk:], sp.b_ys) if b], stash))
-
-            carry, (ys, stash) = _rescan(eqn, c_in, [a for a, b in zip(k, sp.b_carry) if b], [x[j] for j in x_idx],
-                                         step)
-            it_k, it_y = iter(carry), iter(ys)
-            outs = [next(it_k) if b else None for b in sp.b_carry] + [next(it_y) if b else None for b in sp.b_ys]
+            sp, body = plan.scans[i], eqn.params["jaxpr"].jaxpr
+            outs, stash = _side_scan(eqn, ins, sp.body.b_reads, sp.b_carry, sp.b_ys,
+                                     lambda a, _, body=body, sp=sp: _run_b(body, sp.body, [], a))
             nested.extend(stash)
         else:
             outs = _bind(eqn, ins)
@@ -287,27 +293,9 @@ def _run_w(jaxpr: Any, plan: _Plan, consts: list, args: list, stash: list) -> li
             continue
         ins = [read(a) for a in eqn.invars]
         if i in plan.scans:
-            sp = plan.scans[i]
-            nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
-            body = eqn.params["jaxpr"].jaxpr
-            c, k, x = _scan_parts(eqn, ins)
-            wr = sp.w_reads
-            c_in = [a if r else None for a, r in zip(c, wr[:nc])]
-            x_idx = [j for j, r in enumerate(wr[nc + nk:]) if r]
-
-            def step(c_in, carry, xw, sp=sp, body=body, nk=nk, x_idx=x_idx, n_x=len(x)):
-                it = iter(carry)
-                ks = [next(it) if w else None for w in sp.w_carry]
-                xs = [None] * n_x
-                for j, a in zip(x_idx, xw[:len(x_idx)]):
-                    xs[j] = a
-                outs = _run_w(body, sp.body, [], [*c_in, *ks, *xs], xw[len(x_idx):])
-                return ([o for o, w in zip(outs[:nk], sp.w_carry) if w], [o for o, w in zip(outs[nk:], sp.w_ys) if w])
-
-            carry, ys = _rescan(eqn, c_in, [a for a, w in zip(k, sp.w_carry) if w],
-                                [x[j] for j in x_idx] + list(mine), step)
-            it_k, it_y = iter(carry), iter(ys)
-            outs = [next(it_k) if w else None for w in sp.w_carry] + [next(it_y) if w else None for w in sp.w_ys]
+            sp, body = plan.scans[i], eqn.params["jaxpr"].jaxpr
+            outs, _ = _side_scan(eqn, ins, sp.w_reads, sp.w_carry, sp.w_ys,
+                                 lambda a, st, body=body, sp=sp: (_run_w(body, sp.body, [], a, st), []), mine)
         else:
             outs = _bind(eqn, ins)
         for v, a in zip(eqn.outvars, outs):

@@ -76,6 +76,20 @@ class Target:
         return self.devices // self.slices
 
     @property
+    def scatter_all_reduce_group(self) -> int:
+        """The group (devices) whose reduce-scatters this target's compiler writes as an all-reduce
+        of the whole and a slice of it; 0: none. XLA:TPU does so on v4 and v5p for a group that is
+        the whole slice on a torus with three dimensions > 1 (v5p-16's 2x2x2, v5p-32's 2x2x4), an
+        explicit `psum_scatter` too. A sub-slice group there (a 2x2x2 cube or a plane of v5p-32),
+        a 2x2x1 slice (v5p-8), a 2-D slice (v5e, v6e) and tpu7x all reduce-scatter (probed with
+        libtpu 0.0.42.1: BUILD_NOTES.md). The result is the whole, so the links carry an
+        all-reduce's bytes, twice a reduce-scatter's."""
+        if self.platform != "tpu" or self.chip_config != "megacore" or not self.topology:
+            return 0
+        dims = [int(x) for x in self.topology.split(":")[1].split("x")]
+        return self.devices_per_slice if len(dims) == 3 and min(dims) > 1 else 0
+
+    @property
     def fast_domain(self) -> int:
         """Devices that talk over the fast links: a TPU slice's ICI, a GPU host's NVLink."""
         return self.devices_per_slice if self.platform == "tpu" else min(GPU_PER_HOST, self.devices)
