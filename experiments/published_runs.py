@@ -19,7 +19,7 @@ def _layout(r: dict | None) -> str:
     if r is None:
         return "none fits"
     sched = r["schedule"] + (f"x{r['repeats']}" if r["repeats"] > 1 else "")
-    sp = " SP" if r["sequence_parallel"] else ""
+    sp = (" SP" if r["sequence_parallel_dim"] == "length" else " SP(D)") if r["sequence_parallel"] else ""
     return (f"d{r['data']} t{r['tensor']}{sp} p{r['pipe']} ZeRO-{r['zero']} M{r['microbatches']} {sched} remat={r['remat']}, "
             f"{r['memory_gib']:.1f} GiB, MFU {r['mfu']:.1%}")
 

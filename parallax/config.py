@@ -98,6 +98,9 @@ class ParallelConfig:
     # Megatron sequence parallelism: the residual stream between tensor-parallel regions is
     # sharded over `tensor` on T (each tensor all-reduce -> reduce-scatter + all-gather); no-op at tensor=1
     sequence_parallel: bool = False
+    # the residual stream's dimension sequence parallelism shards: length (T, Megatron's) | embed
+    # (D, as GSPMD's 2D layout: the same bytes and memory where T is no multiple of mesh.tensor)
+    sequence_parallel_dim: str = "length"
     # dtype the weight gradients are produced and reduced over the batch axes in (`data`, and
     # `expert` outside MoE layers): float32 as Megatron's main_grad, whatever model.dtype is;
     # bfloat16 halves the reduction's bytes at bf16 rounding of every partial sum

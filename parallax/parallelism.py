@@ -77,6 +77,9 @@ def keeps_residuals(schedule: Any, remat: Any, attention: str = "xla") -> Any:
 # settings as integers (schedule, remat and grad_reduce as indices into the tuples above).
 LAYOUT_FIELDS = ("data", "tensor", "pipe", "expert", "zero", "microbatches", "schedule", "repeats", "remat",
                  "sequence", "grad_reduce")
+# the residual stream's dimension sequence parallelism shards (parallel.sequence_parallel_dim); the
+# layout field `sequence` is 0 without it, else 1 + its index here
+SEQUENCE_DIMS = ("length", "embed")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,6 +173,9 @@ RULES: tuple[Rule, ...] = (
          lambda v: choice_error("parallel.schedule", v.cfg.parallel.schedule, SCHEDULES)),
     Rule("grad_reduce", lambda v: v.grad_reduce >= 0,
          lambda v: choice_error("parallel.grad_reduce_dtype", v.cfg.parallel.grad_reduce_dtype, GRAD_REDUCE_DTYPES)),
+    Rule("sequence_dim", lambda v: np.asarray(v.cfg.parallel.sequence_parallel_dim in SEQUENCE_DIMS),
+         lambda v: choice_error("parallel.sequence_parallel_dim", v.cfg.parallel.sequence_parallel_dim, SEQUENCE_DIMS),
+         layout=False),
     Rule("dispatch", lambda v: np.asarray(v.m.moe.dispatch in MOE_DISPATCH),
          lambda v: choice_error("model.moe.dispatch", v.m.moe.dispatch, MOE_DISPATCH), layout=False),
     Rule("attention", lambda v: np.asarray(v.m.attention in ATTENTIONS),
@@ -283,10 +289,12 @@ RULES: tuple[Rule, ...] = (
     Rule("packed_noise", lambda v: np.asarray(v.cfg.data.eod_id < 0 or not v.cfg.train.noise_scale),
          lambda v: f"data.eod_id={v.cfg.data.eod_id} (packed documents): not with train.noise_scale yet; "
                    "use data.eod_id=-1", layout=False),
-    # sequence parallelism shards the residual stream's T over `tensor` (a no-op at tensor=1)
-    Rule("sequence", lambda v: (v.sequence == 0) | (v.tensor == 1) | (v.cfg.train.seq_len % v.tensor == 0),
+    # sequence parallelism shards the residual stream's T over `tensor` (a no-op at tensor=1), or
+    # its D (field 2), which tensor always divides: D = heads x head dim, heads over tensor
+    Rule("sequence", lambda v: (v.sequence != 1) | (v.tensor == 1) | (v.cfg.train.seq_len % v.tensor == 0),
          lambda v: f"parallel.sequence_parallel: train.seq_len={v.cfg.train.seq_len} must be divisible by "
-                   f"mesh.tensor={v.tensor} (the residual stream is sharded over tensor on T)"),
+                   f"mesh.tensor={v.tensor} (the residual stream is sharded over tensor on T; "
+                   "parallel.sequence_parallel_dim='embed' shards D instead)"),
     # a fused attention kernel asked for by name: its platform, then its shapes
     Rule("attention_platform", lambda v: np.asarray(v.m.attention not in KERNEL_PLATFORM or v.platform == "accelerator"
                                                     or v.platform == KERNEL_PLATFORM[v.m.attention]),
@@ -318,7 +326,9 @@ def layout_fields(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
     index = lambda names, name: names.index(name) if name in names else -1  # noqa: E731
     return {**{a: sizes[a] for a in ("data", "tensor", "pipe", "expert")}, "zero": p.zero,
             "microbatches": p.microbatches, "schedule": index(SCHEDULES, p.schedule), "repeats": p.repeats,
-            "remat": index(REMATS, p.remat), "sequence": int(p.sequence_parallel),
+            "remat": index(REMATS, p.remat),
+            "sequence": (1 + SEQUENCE_DIMS.index(p.sequence_parallel_dim) if p.sequence_parallel_dim in SEQUENCE_DIMS
+                         else 1) if p.sequence_parallel else 0,
             "grad_reduce": index(GRAD_REDUCE_DTYPES, p.grad_reduce_dtype)}
 
 
@@ -379,6 +389,7 @@ class Parallelism:
     units: int  # the scanned stack's length (config.stack_length)
     platform: str  # 'cpu', 'tpu', 'gpu' (or 'accelerator': unnamed, for planning)
     attention: str = "xla"  # the kernel the attention runs on this platform (attention_kernel)
+    sequence_parallel_dim: str = "length"  # the residual stream's dimension SP shards (SEQUENCE_DIMS)
 
     @classmethod
     def of(cls, cfg: Config, sizes: dict[str, int], platform: str = "accelerator") -> Parallelism:
@@ -387,7 +398,7 @@ class Parallelism:
         p = cfg.parallel
         return cls(sizes["data"], sizes["tensor"], sizes["pipe"], sizes["expert"], p.zero, p.remat, p.microbatches,
                    p.schedule, p.repeats, p.sequence_parallel, p.grad_reduce_dtype, stack_length(cfg.model), platform,
-                   attention_kernel(cfg, platform))
+                   attention_kernel(cfg, platform), p.sequence_parallel_dim)
 
     @classmethod
     def of_mesh(cls, cfg: Config, mesh: Any) -> Parallelism:
@@ -413,7 +424,7 @@ class Parallelism:
 
     @property
     def sequence_sharded(self) -> bool:
-        """Sequence parallelism in effect: asked for, and a tensor axis to shard T over."""
+        """Sequence parallelism in effect: asked for, and a tensor axis to shard T (or D) over."""
         return self.sequence_parallel and self.tensor > 1
 
     @property
@@ -428,6 +439,6 @@ class Parallelism:
         p = cfg.parallel
         return self.sizes == dict(sizes) and (self.zero, self.remat, self.microbatches, self.schedule_name,
                                               self.repeats, self.sequence_parallel, self.grad_reduce_dtype,
-                                              self.units) == (
+                                              self.units, self.sequence_parallel_dim) == (
             p.zero, p.remat, p.microbatches, p.schedule, p.repeats, p.sequence_parallel, p.grad_reduce_dtype,
-            stack_length(cfg.model))
+            stack_length(cfg.model), p.sequence_parallel_dim)

@@ -29,7 +29,7 @@ def _grid(n_devices: int):
             continue
         e = n_devices // (d * t * p)
         for zero, mb, sched, r, remat, sp, gr in itertools.product((0, 1, 3), (1, 2, 4), range(3), (1, 2), range(3),
-                                                                      (0, 1), (0, 1)):
+                                                                      (0, 1, 2), (0, 1)):
             rows.append((d, t, p, e, zero, mb, sched, r, remat, sp, gr))
     return dict(zip(LAYOUT_FIELDS, np.asarray(rows).T))
 
@@ -38,6 +38,7 @@ def _config(model: ModelConfig, fields: dict, i: int, fp8: bool = False) -> tupl
     par = ParallelConfig(zero=int(fields["zero"][i]), remat=parallelism.REMATS[fields["remat"][i]],
                          microbatches=int(fields["microbatches"][i]), schedule=SCHEDULES[fields["schedule"][i]],
                          repeats=int(fields["repeats"][i]), sequence_parallel=bool(fields["sequence"][i]),
+                         sequence_parallel_dim=parallelism.SEQUENCE_DIMS[max(int(fields["sequence"][i]) - 1, 0)],
                          grad_reduce_dtype=parallelism.GRAD_REDUCE_DTYPES[fields["grad_reduce"][i]])
     cfg = Config(model=model, parallel=par, train=TrainConfig(global_batch=16, seq_len=32), fp8=Fp8Config(enabled=fp8))
     return cfg, {a: int(fields[a][i]) for a in ("data", "tensor", "pipe", "expert")}

@@ -47,8 +47,8 @@ BASE = Config(model=MODEL, optim=OptimConfig(warmup_steps=1), train=TrainConfig(
 SP = ParallelConfig(sequence_parallel=True)
 
 
-def _batch(mesh):
-    rows = np.random.default_rng(0).integers(0, 256, (B, T + 1)).astype(np.int32)
+def _batch(mesh, seq_len=T):
+    rows = np.random.default_rng(0).integers(0, 256, (B, seq_len + 1)).astype(np.int32)
     return jax.device_put({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, batch_sharding(mesh))
 
 
@@ -57,7 +57,7 @@ def _loss_grads(cfg, devices=None):
     parallelism.check(cfg, dict(mesh.shape))
     layout = make_layout(cfg, mesh)
     state = init_state(cfg, layout)
-    loss, grads = make_grad_fn(layout)(state.params, _batch(mesh))
+    loss, grads = make_grad_fn(layout)(state.params, _batch(mesh, cfg.train.seq_len))
     grads = dict(grads)
     if layout.schedule is not None:
         grads["layers"] = to_layer_major(grads["layers"], layout.schedule.units)
@@ -93,12 +93,39 @@ def test_sequence_parallel_matches_one_device(reference, case):
     _assert_same(_loss_grads(dataclasses.replace(BASE, mesh=mesh, parallel=parallel)), reference)
 
 
-def test_moe_routing_and_gradients_match_one_device():
-    """The MoE layer reads the gathered (full-T) norm output: routing is per sequence, so which
-    tokens drop (capacity factor 1.0) and every gradient are one device's."""
+# parallel.sequence_parallel_dim='embed': the residual stream's D over tensor, for a T that is no
+# multiple of it (T 30 on tensor 4), against one device at the same T; with 1F1B the D-sharded
+# residual is what the stages send
+SP_EMBED = dataclasses.replace(SP, sequence_parallel_dim="embed")
+EMBED_CASES = {
+    "data2_tensor4": (MeshConfig(data=2, tensor=4), SP_EMBED),
+    "1f1b_data2_tensor2_pipe2_zero3": (MeshConfig(data=2, tensor=2, pipe=2),
+                                       dataclasses.replace(SP_EMBED, microbatches=4, schedule="1f1b", zero=3)),
+}
+T_ODD = 30
+
+
+@pytest.fixture(scope="module")
+def reference_odd_t():
+    cfg = dataclasses.replace(BASE, mesh=MeshConfig(data=1), train=dataclasses.replace(BASE.train, seq_len=T_ODD))
+    return _loss_grads(cfg, available_devices(1))
+
+
+@pytest.mark.parametrize("case", list(EMBED_CASES))
+def test_sequence_parallel_on_embed_matches_one_device_where_t_is_no_multiple_of_tensor(reference_odd_t, case):
+    mesh, parallel = EMBED_CASES[case]
+    cfg = dataclasses.replace(BASE, mesh=mesh, parallel=parallel, train=dataclasses.replace(BASE.train, seq_len=T_ODD))
+    _assert_same(_loss_grads(cfg), reference_odd_t)
+
+
+@pytest.mark.parametrize("dim", ["length", "embed"])
+def test_moe_routing_and_gradients_match_one_device(dim):
+    """The MoE layer reads the gathered (full-T, full-D) norm output: routing is per sequence, so
+    which tokens drop (capacity factor 1.0) and every gradient are one device's."""
     moe = dataclasses.replace(MODEL, moe=MoEConfig(num_experts=4, top_k=2, every=2, capacity_factor=1.0, shared_experts=1))
     cfg = dataclasses.replace(BASE, model=moe)
-    got = _loss_grads(dataclasses.replace(cfg, mesh=MeshConfig(data=2, tensor=2, expert=2), parallel=SP))
+    got = _loss_grads(dataclasses.replace(cfg, mesh=MeshConfig(data=2, tensor=2, expert=2),
+                                          parallel=dataclasses.replace(SP, sequence_parallel_dim=dim)))
     _assert_same(got, _loss_grads(dataclasses.replace(cfg, mesh=MeshConfig(data=1)), available_devices(1)))
 
 
@@ -139,6 +166,10 @@ LAYOUTS = {
                        train=TrainConfig(global_batch=AUDIT_B, seq_len=T)),
     "sp_gpipe_d2_t2_p2": Config(mesh=MeshConfig(data=2, tensor=2, pipe=2), model=PIPE_MODEL,
                                 parallel=dataclasses.replace(SP, microbatches=4), train=TrainConfig(global_batch=16, seq_len=T)),
+    # D sharded, at a T (30) tensor 4 does not divide
+    "sp_embed_d2_t4": Config(mesh=MeshConfig(data=2, tensor=4), model=dataclasses.replace(AUDIT_MODEL, n_kv_heads=4),
+                             parallel=SP_EMBED,
+                             train=TrainConfig(global_batch=AUDIT_B, seq_len=T_ODD)),
 }
 
 
@@ -231,6 +262,18 @@ def test_remat_full_keeps_block_inputs_sharded():
     assert steps[True].memory["temp"] < steps[False].memory["temp"], {sp: s.memory for sp, s in steps.items()}
 
 
+def test_remat_full_keeps_block_inputs_sharded_on_embed_at_any_t():
+    """D-sharded sequence parallelism at T 30 on tensor 4: the saved block inputs are
+    [L, B/d, T, D/t], and the temporaries are under the same layout's without it, at T 32."""
+    cfg = dataclasses.replace(LAYOUTS["sp_embed_d2_t4"], parallel=dataclasses.replace(SP_EMBED, remat="full"))
+    off = dataclasses.replace(cfg, parallel=ParallelConfig(remat="full"), train=dataclasses.replace(cfg.train, seq_len=T))
+    on_step, off_step = compile_step(cfg, FAST_COMPILE), compile_step(off, FAST_COMPILE)
+    b, d, n = AUDIT_B // 2, AUDIT_MODEL.d_model, AUDIT_MODEL.n_layers
+    assert f"f32[{n},{b},{T_ODD},{d // 4}]" in on_step.hlo and f"f32[{n},{b},{T_ODD},{d}]" not in on_step.hlo
+    assert f"f32[{n},{b},{T},{d}]" in off_step.hlo
+    assert on_step.memory["temp"] < off_step.memory["temp"], (on_step.memory, off_step.memory)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cost_model_explains_the_compiled_step(name):
     a = audit(LAYOUTS[name], FAST_COMPILE)
@@ -249,6 +292,40 @@ def test_compute_rules_shard_only_the_residual_length():
     on = dict(compute_rules(SP))
     assert on.pop("activation_norm_length") == "tensor" and dict(DEFAULT_RULES).pop("activation_norm_length") is None
     assert on == {k: v for k, v in DEFAULT_RULES if k != "activation_norm_length"}
+
+
+def test_compute_rules_on_embed_shard_only_the_residual_embed():
+    on = dict(compute_rules(SP_EMBED))
+    assert on.pop("activation_norm_embed") == "tensor" and dict(DEFAULT_RULES).pop("activation_norm_embed") is None
+    assert on == {k: v for k, v in DEFAULT_RULES if k != "activation_norm_embed"}
+
+
+def test_embed_takes_any_t_and_the_dim_is_checked():
+    sizes = {"data": 2, "tensor": 4, "pipe": 1, "expert": 1}
+    odd_t = dataclasses.replace(BASE, train=dataclasses.replace(BASE.train, seq_len=30))
+    parallelism.check(dataclasses.replace(odd_t, parallel=SP_EMBED), sizes)  # T 30: D 64 takes it
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel: train\.seq_len=30 .*sequence_parallel_dim='embed'"):
+        parallelism.check(dataclasses.replace(odd_t, parallel=SP), sizes)
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel_dim.*'seq'"):
+        parallelism.check(dataclasses.replace(odd_t, parallel=dataclasses.replace(SP, sequence_parallel_dim="seq")),
+                          sizes)
+
+
+def test_the_planner_shards_d_where_tensor_does_not_divide_t():
+    """The planner's sequence-parallel layouts shard T where tensor divides it and D elsewhere
+    (layout field 2), and a planned row round-trips through layout_config."""
+    from parallax.analysis.plan import _row, evaluate, layout_config
+    from parallax.analysis.presets import DEVICES
+
+    w = Workload(MODEL, 8, 30)
+    g = candidates(w, 8)
+    t, sp = np.asarray(g.tensor), np.asarray(g.sequence)
+    assert set(sp[(t == 2) & (sp > 0)]) == {1} and set(sp[(t >= 4) & (sp > 0)]) == {2}  # 30 = 2 x 15
+    i = int(np.nonzero(sp == 2)[0][0])
+    row = _row(g, evaluate(w, g, DEVICES["h100"], 8), i)
+    assert row["sequence_parallel"] and row["sequence_parallel_dim"] == "embed"
+    cfg = layout_config(BASE, row)
+    assert cfg.parallel.sequence_parallel_dim == "embed" and Grid.of(cfg, row).sequence == 2
 
 
 def test_seq_len_must_divide_by_tensor_and_tensor_1_is_a_no_op():

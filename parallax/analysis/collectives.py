@@ -229,13 +229,25 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
     # norms; under none they are residuals. (compiled for h100-8, 4 layers, SP: 2026-12-07)
     regathers = 2 * (chunk_runs + np.where(s.remat != NONE, policy_runs * s.unit, 0)) * halves \
         + s.zb_split * (s.remat >= SAVE_ATTN_MLP) * s.busy_layers * halves
+    # (D sharded: XLA:CPU gathers a row-parallel output's cotangent once for each of its two dots,
+    # the input and the weight gradient's; XLA:GPU and XLA:TPU once. Compiled for CPU, h100-8, v5e-8)
+    cotangent_gathers = 1 + np.where(s.cpu & s.sp_embed, 1, 0) + s.zb_rerun * w_gathers + s.zb_split
     for what, n in (("sequence-parallel norm gathers forward (2 per layer)", gathers),
-                    ("sequence-parallel cotangent gathers backward (2 per layer)",
-                     gathers * (1 + s.zb_rerun * w_gathers + s.zb_split)),
+                    ("sequence-parallel cotangent gathers backward (2 per layer)", gathers * cotangent_gathers),
                     ("sequence-parallel norm gathers recomputed", regathers)):
         out.add(("tensor",), "all-gather", what, s.act_run / halves, n, on_t & s.sp, "exposed", n * s.static_scale, s.t)
+    # T sharded: the norm scales' gradients are partial sums over the tokens; D sharded: each
+    # device's slice of them is whole (gathered once, after the loop: a few D floats, not counted),
+    # but every norm evaluation (forward, recomputed) and its backward sum x^2 over D in float32
     out.add(("tensor",), "all-reduce", "sequence-parallel norm-scale gradients", 4 * s.unit_norms,
-            s.busy_units * halves, on_t & s.sp, "exposed", s.busy_units * halves * s.static_scale, s.t)
+            s.busy_units * halves, on_t & s.sp & ~s.sp_embed, "exposed", s.busy_units * halves * s.static_scale, s.t)
+    stats = 2 * gathers + regathers
+    out.add(("tensor",), "all-reduce", "sequence-parallel (embed) norm statistics", 4 * s.act_run / (s.c * s.D) / halves,
+            stats, on_t & s.sp_embed, "exposed", stats * s.static_scale, s.t)
+    # ... and the optimizer updates those D slices, then gathers each norm scale and its two AdamW
+    # moments (float32) back whole, once per step (XLA:CPU, unpipelined; pipelined not read)
+    out.add(("tensor",), "all-gather", "sequence-parallel (embed) norm scales and moments, updated", 4 * (
+        s.U * s.unit_norms + s.D), 3, on_t & s.sp_embed & ~s.piped, "exposed", None, s.t)
 
 
 def _moe_tensor_terms(s: Dims, out: _Terms) -> None:
@@ -271,8 +283,10 @@ def _outer_tensor_terms(s: Dims, out: _Terms) -> None:
             per_head, on_t & sp, "exposed", head_static, t)
     out.add(("tensor",), "all-gather", "sequence-parallel embedding cotangent gather", act_run, per_head, on_t & sp,
             "exposed", head_static, t)
-    out.add(("tensor",), "all-reduce", "sequence-parallel final-norm scale gradient", 4 * s.D, per_head, on_t & sp,
-            "exposed", head_static, t)
+    out.add(("tensor",), "all-reduce", "sequence-parallel final-norm scale gradient", 4 * s.D, per_head,
+            on_t & sp & ~s.sp_embed, "exposed", head_static, t)
+    out.add(("tensor",), "all-reduce", "sequence-parallel (embed) final-norm statistics",
+            4 * np.where(f1b, s.act_m, s.act) / (s.c * s.D), 2 * per_head, on_t & s.sp_embed, "exposed", 2 * head_static, t)
     rows_f32 = s.tok * 4  # one float32 value per token
     out.add(("tensor",), "all-reduce", "cross-entropy max, sum, target", np.where(f1b, rows_f32 / s.M, rows_f32) / n,
             np.where(f1b, 3 * s.M, 3) * n, on_t, "exposed", np.where(f1b, 3 * s.ticks, 3) * n, t)
@@ -383,8 +397,10 @@ def _loop_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
     (transformer.Transformer's nn.scan), per unit; expert weights (E/ep experts per device, already
     sharded over expert) over `data` only. See _Reduction for the ZeRO-with-experts split."""
     on_data, loop, split, dp = s.d > 1, ~s.piped, r.split, s.dp
+    # (D-sharded sequence parallelism: a device holds its D slice of the norm scales' gradients)
+    grads = s.unit_ne_bytes - 4 * s.unit_norms * np.where(s.sp_embed, 1 - 1 / s.t, 0)
     for kind, on, shard in r.kinds:
-        out.add(r.axes, kind, "layer gradients (in the backward loop)", s.unit_ne_bytes / shard, s.U,
+        out.add(r.axes, kind, "layer gradients (in the backward loop)", grads / shard, s.U,
                 (dp > 1) & on & loop & ~split, "backward", None, dp)
     no_norms = s.unit_ne_bytes - 4 * s.unit_norms
     for kind, on, shard in r.kinds:
@@ -437,7 +453,7 @@ def _outer_grad_terms(s: Dims, r: _Reduction, out: _Terms) -> None:
     scattered = f1b & (f1b_z | (s.d > 1))
     for kind, on, shard in r.kinds:
         for layouts, overlap in ((~f1b, "backward"), (f1b & ~scattered, "exposed")):
-            out.add(r.axes, kind, "embedding, head and final-norm gradients", (tables + 4 * s.D) / shard, 1,
+            out.add(r.axes, kind, "embedding, head and final-norm gradients", (tables + 4 * s.D / s.sp_t_embed) / shard, 1,
                     (dp > 1) & on & ~split & layouts, overlap, None, dp)
     out.add(("data",), "reduce-scatter", "embedding and head gradients (1F1B, over data first)", tables / s.d, 1,
             scattered & (s.d > 1), "exposed", None, s.d)

@@ -221,6 +221,10 @@ class Dims:
         # Sequence parallelism: the residual stream (and what is saved or sent of it) is [B/dp, T/t, D].
         self.sp = (np.asarray(g.sequence) != 0) & (t > 1)
         self.sp_t = np.where(self.sp, t, 1)
+        # ... on D (parallel.sequence_parallel_dim='embed'): the same gathers and reduce-scatters and
+        # memory; a norm's mean of squares is a partial sum over tensor ([B, T] float32 all-reduces)
+        self.sp_embed = self.sp & (np.asarray(g.sequence) == 2)
+        self.sp_t_embed = np.where(self.sp_embed, t, 1)
         self._runs()
 
     def _runs(self) -> None:

@@ -49,7 +49,8 @@ from parallax.config import (Config, ConfigError, Fp8Config, ModelConfig, TrainC
 from parallax.analysis.collectives import collective_terms
 from parallax.analysis.cost import (Grid, Workload, hardware_flops_per_device, memory_parts, memory_platform,
                                     model_flops_per_step)
-from parallax.parallelism import (CIRCULAR, GPIPE, INTERLEAVED, LAYOUT_FIELDS, ONE_F_ONE_B, REMATS, SCHEDULES, ZB_H1,
+from parallax.parallelism import (CIRCULAR, GPIPE, INTERLEAVED, LAYOUT_FIELDS, ONE_F_ONE_B, REMATS, SCHEDULES,
+                                  SEQUENCE_DIMS, ZB_H1,
                                   bubble, keeps_residuals, legal, lockstep_bubble, own_gradients, pipelined)
 from parallax.analysis.presets import PUBLISHED  # noqa: F401 - re-exported: the published runs beside compare_published
 from parallax.analysis.presets import ALIASES, DEVICES, PRESETS, Device, PublishedRun
@@ -98,7 +99,8 @@ def candidates(w: Workload, n_devices: int, zero_stages=(0, 1, 3), sequence=(0, 
                               + [(INTERLEAVED, r) for r in repeats])
                 for (sched, r), zero, remat in itertools.product(scheds, zero_stages, remats):
                     for sp in (sequence if t > 1 else (0,)):
-                        rows.append((d, t, p, e, zero, mb, sched, r, remat, sp, 0))
+                        # sequence parallelism shards T where tensor divides it, else D (field 2)
+                        rows.append((d, t, p, e, zero, mb, sched, r, remat, sp and (1 if w.seq_len % t == 0 else 2), 0))
     if not rows:
         return Grid(*(np.zeros(0, int) for _ in LAYOUT_FIELDS))
     a = np.asarray(rows, dtype=np.int64).T
@@ -211,6 +213,7 @@ def _row(g: Grid, ev: dict, i: int) -> dict:
         "zero": int(pick(g.zero)), "microbatches": int(pick(g.microbatches)), "schedule": SCHEDULES[int(pick(g.schedule))],
         "repeats": int(pick(g.repeats)), "remat": REMATS[int(pick(g.remat))],
         "sequence_parallel": bool(pick(g.sequence)),
+        "sequence_parallel_dim": SEQUENCE_DIMS[max(int(pick(g.sequence)) - 1, 0)],
         "memory_gib": round(mem.pop("total"), 3), "memory_parts_gib": {k: round(v, 3) for k, v in mem.items()},
         "step_time_s": float(pick(ev["step_s"])), "mfu": float(pick(ev["mfu"])), "bubble": float(pick(ev["bubble"])),
         "time_parts_s": {k: float(pick(ev[k + "_s"])) for k in ("compute", "tensor", "pipe", "data", "expert")},
@@ -382,7 +385,9 @@ def explain(row: dict, dev: Device, per_host: int, n: int) -> str:
     parts = [f"tensor={t} " + ("keeps each layer's Megatron all-reduces inside one fast domain "
                               f"({per_host} devices)" if t <= per_host else "crosses fast domains (slow all-reduces)")
              + (" and splits the layer's weights and activations" if t > 1 else "")
-             + (" (with sequence parallelism: the residual stream too)" if row["sequence_parallel"] else "")]
+             + ((" (with sequence parallelism: the residual stream too, on "
+                 + ("D: T is no multiple of tensor)" if row.get("sequence_parallel_dim") == "embed" else "T)"))
+                if row["sequence_parallel"] else "")]
     if p > 1:
         parts.append(f"pipe={p} splits the {row['microbatches']} microbatches' depth over stages "
                      f"({row['schedule']}{', ' + str(row['repeats']) + ' chunks per stage' if row['repeats'] > 1 else ''}; "
@@ -413,7 +418,8 @@ def layout_config(cfg: Config, row: dict) -> Config:
     mesh = dataclasses.replace(cfg.mesh, **{k: row[k] for k in ("data", "tensor", "pipe", "expert")})
     parallel = dataclasses.replace(cfg.parallel, zero=row["zero"], microbatches=row["microbatches"],
                                    schedule=row["schedule"], repeats=row["repeats"], remat=row["remat"],
-                                   sequence_parallel=row["sequence_parallel"])
+                                   sequence_parallel=row["sequence_parallel"],
+                                   sequence_parallel_dim=row.get("sequence_parallel_dim", "length"))
     return dataclasses.replace(cfg, mesh=mesh, parallel=parallel)
 
 
@@ -586,7 +592,7 @@ def plan_command(args: argparse.Namespace) -> int:
     print(head)
     for i, r in enumerate(result.layouts, 1):
         sched = r["schedule"] + (f"x{r['repeats']}" if r["repeats"] > 1 else "")
-        seq = "SP" if r["sequence_parallel"] else "-"
+        seq = ("SP(D)" if r.get("sequence_parallel_dim") == "embed" else "SP") if r["sequence_parallel"] else "-"
         print(f"{i:>2} {r['data']:>5} {r['tensor']:>6} {seq:>3} {r['pipe']:>4} {r['expert']:>6} {r['zero']:>4} "
               f"{r['microbatches']:>5} {sched:>10} {r['remat']:>21} {r['memory_gib']:>6.1f} {r['step_time_s']:>8.3f} "
               f"{r['bubble']:>6.1%} {r['mfu']:>6.1%}")

@@ -143,4 +143,8 @@ PUBLISHED = [
     PublishedRun("PaLM 540B", "palm-540b", 6144, "tpu-v4", {"data": 512, "tensor": 12, "pipe": 1}, (0.462, 0.462),
                  "Chowdhery et al. 2022: 46.2% MFU on 6144 TPU v4 (2 pods of 3072 chips), 12-way model "
                  "parallel x 256-way FSDP per pod x 2 pods", per_host=3072),
+    # (PaLM's layout is GSPMD's "2D finalized" one (Xu et al. 2021), whose activations between the
+    # layers stay sharded over the model axis: T 2,048 is no multiple of 12, so the planner shards
+    # the residual stream's D, parallel.sequence_parallel_dim='embed'. From the papers as
+    # recalled, not re-read here: BUILD_NOTES.md)
 ]

@@ -27,10 +27,11 @@ from parallax.model.logical import PARAM_COMPUTE, SAVED_ACTIVATIONS, ParamPlacer
 from parallax.model.moe import LOCAL, Exchange, MoE
 from parallax.model.vocab import LOGITS, Embed, Head
 
-# The residual stream between tensor-parallel regions: its T is `activation_norm_length`, sharded
-# over tensor under sequence parallelism (sharding.compute_rules). The input of a column-parallel
-# matmul (a norm's output) is NORMED, full T: that constraint is sequence parallelism's all-gather.
-RESIDUAL = ("activation_batch", "activation_norm_length", "activation_embed")
+# The residual stream between tensor-parallel regions: its T is `activation_norm_length` (its D
+# `activation_norm_embed`), sharded over tensor under sequence parallelism (sharding.compute_rules).
+# The input of a column-parallel matmul (a norm's output) is NORMED, full T and D: that constraint
+# is sequence parallelism's all-gather.
+RESIDUAL = ("activation_batch", "activation_norm_length", "activation_norm_embed")
 NORMED = ("activation_batch", "activation_length", "activation_embed")
 
 

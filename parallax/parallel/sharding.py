@@ -38,8 +38,10 @@ DEFAULT_RULES: Rules = (
     ("activation_batch", BATCH_AXES),
     ("activation_length", None),
     # The residual stream's T between tensor-parallel regions (MaxText's name): `tensor` under
-    # sequence parallelism (compute_rules), so norms, residual adds and saved block inputs are 1/t.
+    # sequence parallelism (compute_rules), so norms, residual adds and saved block inputs are 1/t;
+    # or its D (parallel.sequence_parallel_dim='embed'), the same 1/t where T is no multiple of t.
     ("activation_norm_length", None),
+    ("activation_norm_embed", None),
     ("activation_embed", None),
     ("activation_heads", TENSOR),
     ("activation_kv_heads", TENSOR),
@@ -94,10 +96,15 @@ def compute_rules(parallel: ParallelConfig | None = None) -> Rules:
     of [B, T, D] becomes a reduce-scatter into the T-sharded residual plus an all-gather before
     the next column-parallel matmul. Same bytes on the wire; the residual stream's activation
     memory (norms, residual adds, saved block inputs, pipeline sends) falls by the tensor size.
+    `sequence_parallel_dim='embed'` shards the residual stream's D instead (GSPMD's 2D layout:
+    Xu et al. 2021), for a T that is no multiple of the tensor size: the same collectives on D
+    (the reduce-scatter and the gather before the matmul) and the same memory; a norm's mean of
+    squares is then a partial sum over tensor, one [B, T] float32 all-reduce per norm.
     """
     parallel = parallel or ParallelConfig()
     if parallel.sequence_parallel:
-        return _replace(DEFAULT_RULES, activation_norm_length=TENSOR)
+        dim = "activation_norm_embed" if parallel.sequence_parallel_dim == "embed" else "activation_norm_length"
+        return _replace(DEFAULT_RULES, **{dim: TENSOR})
     return DEFAULT_RULES
 
 
