@@ -20,10 +20,8 @@ import numpy as np
 import pytest
 
 from parallax.analysis.audit import FAST_COMPILE, audit, compile_step
-from parallax.analysis.collectives import Term, scatters_as_all_reduces
+from parallax.analysis.collectives import Term, as_all_reduces
 from parallax.analysis.hlo import _shape_bytes, _split_computations, collectives
-from parallax.analysis.plan import slice_scatter_group
-from parallax.analysis.presets import DEVICES
 from parallax.config import MeshConfig, ParallelConfig
 from test_targets import CFG, libtpu  # noqa: F401 - the fixture: a failure under CI without libtpu
 
@@ -80,10 +78,10 @@ def test_the_v5e_audit_reads_the_gradient_reduce_scatters_at_their_shard_size(li
     assert rows[(("data",), "reduce-scatter")]["bytes"] > 0
 
 
-def _compiled_scatter_kinds(name: str, group_of) -> tuple[set[str], int]:
-    """The collective kinds XLA:TPU writes for one psum_scatter over a group of `name`'s devices
-    (`group_of`: the sorted chip coordinates -> the groups, each a list of coordinates), and the
-    group's size."""
+def _compiled_scatter_kinds(name: str, group_of, gather: bool = False) -> tuple[set[str], int]:
+    """The collective kinds XLA:TPU writes for one psum_scatter (`gather`: all_gather) over a
+    group of `name`'s devices (`group_of`: the sorted chip coordinates -> the groups, each a list
+    of coordinates), and the group's size."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -93,10 +91,14 @@ def _compiled_scatter_kinds(name: str, group_of) -> tuple[set[str], int]:
     by_coords = {tuple(d.coords): d for d in target_devices(name)}
     groups = group_of(sorted(by_coords))
     mesh = Mesh(np.array([[by_coords[c] for c in g] for g in groups]).T, ("data", "rest"))
-    scatter = jax.shard_map(lambda x: jax.lax.psum_scatter(x, "data", scatter_dimension=0, tiled=True), mesh=mesh,
-                            in_specs=P(), out_specs=P("data"), check_vma=False)
-    x = jax.ShapeDtypeStruct((1024, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
-    found = collectives(jax.jit(scatter).lower(x).compile().as_text(), {"data": len(groups[0]), "rest": len(groups)})
+    if gather:
+        op = jax.shard_map(lambda x: jax.lax.all_gather(x, "data", axis=0, tiled=True), mesh=mesh,
+                           in_specs=P("data"), out_specs=P(), check_vma=False)
+    else:
+        op = jax.shard_map(lambda x: jax.lax.psum_scatter(x, "data", scatter_dimension=0, tiled=True), mesh=mesh,
+                           in_specs=P(), out_specs=P("data"), check_vma=False)
+    x = jax.ShapeDtypeStruct((1024, 256), jnp.float32, sharding=NamedSharding(mesh, P("data") if gather else P()))
+    found = collectives(jax.jit(op).lower(x).compile().as_text(), {"data": len(groups[0]), "rest": len(groups)})
     return {c.kind for c in found}, len(groups[0])
 
 
@@ -122,6 +124,24 @@ def test_a_whole_3d_slice_reduce_scatter_is_an_all_reduce_on_v4_and_v5p(libtpu, 
     assert (target(name).scatter_all_reduce_group == n) == whole, (name, target(name).scatter_all_reduce_group)
 
 
+@pytest.mark.parametrize("name, group_of, whole", [
+    ("v5p-128", lambda cs: [cs], True),  # 4x4x4: a torus, every dimension 4 or more
+    ("v4-128", lambda cs: [cs], True),  # 4x4x4
+    ("v5p-64", lambda cs: [cs], False),  # 2x4x4
+    ("v5p-128", lambda cs: [[c for c in cs if c[2] == z] for z in range(4)], False),  # a 4x4 plane of it
+    ("v5p-16", lambda cs: [cs], False),  # 2x2x2
+])
+def test_a_whole_torus_all_gather_is_an_all_reduce_on_v4_and_v5p(libtpu, name, group_of, whole):  # noqa: F811
+    """targets.Target.gather_all_reduce_group against libtpu's program for an explicit
+    all_gather: an all-reduce exactly where the group is a whole v4 or v5p slice of 4x4x4 chips
+    or more (the Llama-3-8B / v5p-128 row's ZeRO-3 gathers: data links -24% before)."""
+    from parallax.parallel.targets import target
+
+    kinds, n = _compiled_scatter_kinds(name, group_of, gather=True)
+    assert kinds == ({"all-reduce"} if whole else {"all-gather"}), (name, kinds)
+    assert (target(name).gather_all_reduce_group == n) == whole, (name, target(name).gather_all_reduce_group)
+
+
 def test_the_v5p_audit_models_fsdps_whole_slice_gradient_all_reduces(libtpu):  # noqa: F811
     """FSDP over all 8 chips of v5p-16: every gradient reduction is an all-reduce of the whole
     (float32) and no reduce-scatter, as the cost model now says: the all-reduces' bytes within 1%
@@ -144,19 +164,27 @@ def test_scatters_become_all_reduces_only_where_the_group_is_the_slice():
     term = Term(("data",), "reduce-scatter", "grads", np.array([10.0, 10.0, 20.0]), np.array([3, 3, 1]),
                 np.array([3, 3, 1]), "backward", group)
     other = Term(("data",), "all-gather", "gathers", np.ones(3), np.ones(3), np.ones(3), "compute", group)
-    rs, ar, ag = scatters_as_all_reduces([term, other], 8)
+    rs, ar, ag = as_all_reduces([term, other], 8)
     assert (rs.kind, ar.kind, ag) == ("reduce-scatter", "all-reduce", other)
     assert list(rs.executions) == [3, 0, 0] and list(ar.executions) == [0, 3, 1]
     assert list(ar.bytes_per_step) == [0, 240, 160] and list(rs.bytes_per_step) == [30, 0, 0]
+    # an all-gather over the gather group: the same result (the whole), as an all-reduce
+    rs2, ag2, ag_ar = as_all_reduces([term, other], 0, 4)
+    assert rs2 is term and (ag2.kind, ag_ar.kind) == ("all-gather", "all-reduce")
+    assert list(ag_ar.executions) == [1, 0, 0] and list(ag_ar.bytes) == [1, 1, 1] and list(ag2.executions) == [0, 1, 1]
 
 
 def test_the_planner_knows_which_slices_all_reduce():
-    """--target's rule, and for a v4 or v5p device type the one slice of that many chips (none
+    """--target's rules, and for a v4 or v5p device type the one slice of that many chips (none
     past the largest known slice, none on other devices)."""
-    assert slice_scatter_group(DEVICES["tpu-v5p"], 8, None) == 8  # v5p-16: 2x2x2
-    assert slice_scatter_group(DEVICES["tpu-v5p"], 4, None) == 0  # v5p-8: 2x2x1
-    assert slice_scatter_group(DEVICES["tpu-v4"], 64, None) == 64  # v4-128: 4x4x4
-    assert slice_scatter_group(DEVICES["tpu-v5p"], 12288, None) == 0  # several slices: not one torus
-    assert slice_scatter_group(DEVICES["h100"], 8, None) == 0
-    assert slice_scatter_group(DEVICES["tpu-v5e"], 8, None) == 0
-    assert slice_scatter_group(DEVICES["tpu-v5e"], 16, "v5p-32") == 16  # the target decides
+    from parallax.parallel.targets import all_reduce_groups
+
+    assert all_reduce_groups(None, "tpu-v5p", 8) == (8, 0)  # v5p-16: 2x2x2
+    assert all_reduce_groups(None, "tpu-v5p", 4) == (0, 0)  # v5p-8: 2x2x1
+    assert all_reduce_groups(None, "tpu-v5p", 32) == (32, 0)  # v5p-64: 2x4x4
+    assert all_reduce_groups(None, "tpu-v4", 64) == (64, 64)  # v4-128: 4x4x4
+    assert all_reduce_groups(None, "tpu-v5p", 12288) == (0, 0)  # several slices: not one torus
+    assert all_reduce_groups(None, "h100", 8) == (0, 0)
+    assert all_reduce_groups(None, "tpu-v5e", 8) == (0, 0)
+    assert all_reduce_groups("v5p-128", "tpu-v5e", 8) == (64, 64)  # the target decides
+    assert all_reduce_groups(None) == (0, 0)  # the devices JAX has

@@ -260,7 +260,9 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
     # keeps a table schedule's B recomputing: parallelism.keeps_residuals).
     kernels = attention_kernels(step.hlo)
     attention = kernels["kernel"]  # 'xla', or the fused kernel by name ('cudnn' keeps a packed-document mask)
-    rows = compare_collectives(found, collective_terms(w, g, platform, attention, _scatter_all_reduce_group(target)),
+    from parallax.parallel.targets import all_reduce_groups
+
+    rows = compare_collectives(found, collective_terms(w, g, platform, attention, *all_reduce_groups(target)),
                                placed, step.mesh_shape)
     families = family_totals(rows)
     modelled = {k for k, v in families.items() if v["model_bytes"] > 0}
@@ -301,16 +303,6 @@ def audit(cfg: Config, compiler_options: dict | None = None, target: str | None 
         "attention": {"kernel": kernels["kernel"], "configured": step.attention, "calls": kernels["calls"],
                       "name": ATTENTION_KERNEL_NAMES[kernels["kernel"]]},
     }
-
-
-def _scatter_all_reduce_group(target: str | None) -> int:
-    """The group whose reduce-scatters the target's compiler writes as all-reduces (0: none, and
-    for the devices JAX has: no torus known)."""
-    if target is None:
-        return 0
-    from parallax.parallel.targets import target as lookup
-
-    return lookup(target).scatter_all_reduce_group
 
 
 def _compiler(platform: str) -> str:

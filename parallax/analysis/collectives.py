@@ -99,34 +99,37 @@ class _Terms:
 
 
 def collective_terms(w: Workload, g: Grid, platform: str = "accelerator", attention: str = "xla",
-                     scatter_all_reduce_group: int = 0) -> list[Term]:
+                     scatter_all_reduce_group: int = 0, gather_all_reduce_group: int = 0) -> list[Term]:
     """Every collective family of one step, per device, family by family (tensor, expert, pipe,
     data: the order audit.py and plan.py have always read). Terms of size 0 are kept (zero bytes).
     `attention`: the kernel the step runs (parallelism.attention_kernel; Dims).
-    `scatter_all_reduce_group`: the group whose reduce-scatters the target's compiler writes as
-    all-reduces (targets.Target.scatter_all_reduce_group; 0: none)."""
+    `scatter_all_reduce_group`, `gather_all_reduce_group`: the groups whose reduce-scatters and
+    all-gathers the target's compiler writes as all-reduces (targets.Target; 0: none)."""
     if w.grad_accum > 1:
         terms = _accumulated_terms(w, g, platform, scatter_all_reduce_group)
     else:
         s = Dims(w, g, platform, attention, scatter_all_reduce_group)
         terms = tensor_terms(s) + expert_terms(s) + pipe_terms(s) + data_terms(s)
-    return scatters_as_all_reduces(terms, scatter_all_reduce_group) if scatter_all_reduce_group else terms
+    return as_all_reduces(terms, scatter_all_reduce_group, gather_all_reduce_group)
 
 
-def scatters_as_all_reduces(terms: list[Term], group: int) -> list[Term]:
-    """Each reduce-scatter term over `group` devices as the all-reduce of the whole that the
-    compiler writes in its place (result `group` times the shard; targets.Target
-    .scatter_all_reduce_group). On a grid a term's group varies by layout: it is split into the
-    two kinds, each on where it applies (zero executions elsewhere)."""
+def as_all_reduces(terms: list[Term], scatter_group: int, gather_group: int = 0) -> list[Term]:
+    """Each reduce-scatter term over `scatter_group` devices, and each all-gather term over
+    `gather_group`, as the all-reduce of the whole that the compiler writes in its place
+    (targets.Target.scatter_all_reduce_group, .gather_all_reduce_group): a reduce-scatter's result
+    becomes `group` times the shard, an all-gather's stays the whole. On a grid a term's group
+    varies by layout: it is split into the two kinds, each on where it applies (zero executions
+    elsewhere). A group of 0 rewrites nothing."""
     out = []
     for t in terms:
-        if t.kind != "reduce-scatter":
+        group = {"reduce-scatter": scatter_group, "all-gather": gather_group}.get(t.kind, 0)
+        if not group:
             out.append(t)
             continue
         whole = np.asarray(t.group) == group
         out.append(dataclasses.replace(t, executions=np.where(whole, 0, t.executions),
                                        static=np.where(whole, 0, t.static)))
-        out.append(dataclasses.replace(t, kind="all-reduce", bytes=t.bytes * t.group,
+        out.append(dataclasses.replace(t, kind="all-reduce", bytes=t.bytes * (t.group if t.kind == "reduce-scatter" else 1),
                                        executions=np.where(whole, t.executions, 0),
                                        static=np.where(whole, t.static, 0)))
     return out
@@ -237,8 +240,8 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
                     ("sequence-parallel norm gathers recomputed", regathers)):
         out.add(("tensor",), "all-gather", what, s.act_run / halves, n, on_t & s.sp, "exposed", n * s.static_scale, s.t)
     # T sharded: the norm scales' gradients are partial sums over the tokens; D sharded: each
-    # device's slice of them is whole (gathered once, after the loop: a few D floats, not counted),
-    # but every norm evaluation (forward, recomputed) and its backward sum x^2 over D in float32
+    # device's D slice of them is whole (no sum over tensor), but every norm evaluation (forward,
+    # recomputed) and its backward sum over D in float32
     out.add(("tensor",), "all-reduce", "sequence-parallel norm-scale gradients", 4 * s.unit_norms,
             s.busy_units * halves, on_t & s.sp & ~s.sp_embed, "exposed", s.busy_units * halves * s.static_scale, s.t)
     stats = 2 * gathers + regathers

@@ -134,9 +134,10 @@ def collective_seconds(kind: str, nbytes, group, stride, dev: Device, per_host: 
 
 
 def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = "xla", fp8: bool = False,
-             scatter_all_reduce_group: int = 0) -> dict:
-    """Predicted memory, time parts and MFU of every layout in `g` (arrays). `scatter_all_reduce_group`:
-    the group whose reduce-scatters the compiler writes as all-reduces (slice_scatter_group)."""
+             all_reduce_groups: tuple[int, int] = (0, 0)) -> dict:
+    """Predicted memory, time parts and MFU of every layout in `g` (arrays). `all_reduce_groups`:
+    the groups whose reduce-scatters and all-gathers the compiler writes as all-reduces
+    (targets.all_reduce_groups)."""
     t, p, d, e = (np.asarray(x) for x in (g.tensor, g.pipe, g.data, g.expert))
     n = t * p * d * e
     mem = memory_parts(w, g, memory_platform(dev.platform), attention)
@@ -163,7 +164,7 @@ def evaluate(w: Workload, g: Grid, dev: Device, per_host: int, attention: str = 
     hidden_data = 0.0  # behind the backward pass
     hidden_zero3 = 0.0  # behind compute
     tick_send = 0.0
-    for term in collective_terms(w, g, "accelerator", attention, scatter_all_reduce_group):
+    for term in collective_terms(w, g, "accelerator", attention, *all_reduce_groups):
         axis = "data" if "data" in term.axes else term.axes[0]
         # A group's members lie its innermost non-trivial axis apart: a (data, expert) gradient
         # group is d*e devices t apart when expert > 1, t*e apart otherwise.
@@ -221,12 +222,12 @@ def _row(g: Grid, ev: dict, i: int) -> dict:
 
 
 def search(w: Workload, n_devices: int, dev: Device, per_host: int, attention: str = "xla", fp8: bool = False,
-           top: int = 5, sequence=(0, 1), remats=tuple(range(len(REMATS))), scatter_all_reduce_group: int = 0) -> Plan:
+           top: int = 5, sequence=(0, 1), remats=tuple(range(len(REMATS))), all_reduce_groups: tuple[int, int] = (0, 0)) -> Plan:
     started = time.perf_counter()
     g = candidates(w, n_devices, sequence=sequence, fp8=fp8, remats=remats)
     if np.size(g.data) == 0:
         return Plan([], 0, 0, time.perf_counter() - started, [])
-    ev = evaluate(w, g, dev, per_host, attention, fp8, scatter_all_reduce_group)
+    ev = evaluate(w, g, dev, per_host, attention, fp8, all_reduce_groups)
     fits = ev["memory"]["total"] <= dev.hbm_bytes * USABLE_MEMORY
     order = np.lexsort((ev["memory"]["total"], -np.where(fits, ev["mfu"], -1.0)))  # best MFU, then least memory
     best = [i for i in order[:top] if fits[i]]
@@ -508,23 +509,6 @@ def _target_devices(args: argparse.Namespace) -> tuple[int, Device, int | None]:
     return t.devices, dev, t.fast_domain
 
 
-def slice_scatter_group(dev: Device, n_devices: int, target_name: str | None) -> int:
-    """The group whose reduce-scatters the compiler writes as all-reduces of the whole
-    (targets.Target.scatter_all_reduce_group): --target's, or on a v4 or v5p device type the
-    one slice of n_devices chips it would be (0 where no such slice is known)."""
-    from parallax.parallel.targets import TargetError, target
-
-    if target_name is not None:
-        return target(target_name).scatter_all_reduce_group
-    family = {"TPU v4": "v4", "TPU v5p": "v5p"}.get(dev.name)
-    if family is None:
-        return 0
-    try:  # the name counts TensorCores, two a chip (one JAX device)
-        return target(f"{family}-{2 * n_devices}").scatter_all_reduce_group
-    except TargetError:
-        return 0
-
-
 def plan_command(args: argparse.Namespace) -> int:
     if getattr(args, "target", None) is not None:  # before anything below imports JAX
         from parallax.parallel.targets import cpu_only_jax
@@ -557,8 +541,10 @@ def plan_command(args: argparse.Namespace) -> int:
         if msg:
             notes.append(msg)
             w = dataclasses.replace(w, global_batch=batch)
+    from parallax.parallel.targets import all_reduce_groups  # (no JAX)
+    groups = all_reduce_groups(getattr(args, "target", None), next(k for k, v in DEVICES.items() if v is dev), args.devices)
     result = search(w, args.devices, dev, per_host, args.attention, cfg.fp8.enabled, max(args.top, args.verify or 1),
-                    scatter_all_reduce_group=slice_scatter_group(dev, args.devices, getattr(args, "target", None)))
+                    all_reduce_groups=groups)
     if result.searched == 0:
         raise UserError(_no_factorization(w, args.devices))
     if not result.layouts:

@@ -84,10 +84,23 @@ class Target:
         a 2x2x1 slice (v5p-8), a 2-D slice (v5e, v6e) and tpu7x all reduce-scatter (probed with
         libtpu 0.0.42.1: BUILD_NOTES.md). The result is the whole, so the links carry an
         all-reduce's bytes, twice a reduce-scatter's."""
+        return self.devices_per_slice if min(self._megacore_torus() or [0]) > 1 else 0
+
+    @property
+    def gather_all_reduce_group(self) -> int:
+        """The group whose all-gathers this target's compiler writes as an all-reduce (each device
+        adding its shard into a zeroed whole; the same result, twice the bytes over the links);
+        0: none. XLA:TPU does so on v4 and v5p for the whole slice when every dimension is 4 or
+        more (v5p-128's 4x4x4 and up, v4-128; not v5p-64's 2x4x4, nor a 4x4x4 half of v5p-256:
+        probed with libtpu 0.0.42.1, BUILD_NOTES.md)."""
+        return self.devices_per_slice if min(self._megacore_torus() or [0]) >= 4 else 0
+
+    def _megacore_torus(self) -> list[int] | None:
+        """The slice's three chip dimensions on v4 and v5p (one device per chip), else None."""
         if self.platform != "tpu" or self.chip_config != "megacore" or not self.topology:
-            return 0
+            return None
         dims = [int(x) for x in self.topology.split(":")[1].split("x")]
-        return self.devices_per_slice if len(dims) == 3 and min(dims) > 1 else 0
+        return dims if len(dims) == 3 else None
 
     @property
     def fast_domain(self) -> int:
@@ -192,6 +205,23 @@ def target(name: str) -> Target:
         raise UnknownTarget(f"--target {name!r}: unknown slice size ({fam_name}-N counts {unit}; known: {sizes})")
     return Target(name, f.platform, f"{f.topology}:{f.shapes[chips]}", chips * f.devices_per_chip * slices,
                   chips * slices, slices, f.device_type, f.package, f.chip_config)
+
+
+def all_reduce_groups(name: str | None, device_type: str | None = None, n_devices: int = 0) -> tuple[int, int]:
+    """(Target.scatter_all_reduce_group, .gather_all_reduce_group) of the target `name`; with no
+    name, of the one slice of `n_devices` devices of the planner's `device_type` ('tpu-v5p'). (0, 0)
+    where no such target is known (a GPU, several slices' worth of devices, no name at all)."""
+    if name is None:
+        family = next((k for k, f in FAMILIES.items() if f.device_type == device_type and f.shapes), None)
+        if family is None:
+            return 0, 0
+        f = FAMILIES[family]
+        name = f"{family}-{n_devices * f.n_per_chip // f.devices_per_chip}"  # N counts what the family's names do
+    try:
+        t = target(name)
+    except TargetError:
+        return 0, 0
+    return t.scatter_all_reduce_group, t.gather_all_reduce_group
 
 
 def _ptxas_found() -> bool:
