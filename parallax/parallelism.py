@@ -326,9 +326,8 @@ def layout_fields(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
     index = lambda names, name: names.index(name) if name in names else -1  # noqa: E731
     return {**{a: sizes[a] for a in ("data", "tensor", "pipe", "expert")}, "zero": p.zero,
             "microbatches": p.microbatches, "schedule": index(SCHEDULES, p.schedule), "repeats": p.repeats,
-            "remat": index(REMATS, p.remat),
-            "sequence": (1 + SEQUENCE_DIMS.index(p.sequence_parallel_dim) if p.sequence_parallel_dim in SEQUENCE_DIMS
-                         else 1) if p.sequence_parallel else 0,
+            "remat": index(REMATS, p.remat),  # (a bad sequence_parallel_dim reads as length: its own rule names it)
+            "sequence": 1 + max(index(SEQUENCE_DIMS, p.sequence_parallel_dim), 0) if p.sequence_parallel else 0,
             "grad_reduce": index(GRAD_REDUCE_DTYPES, p.grad_reduce_dtype)}
 
 
