@@ -53,6 +53,10 @@ LAYOUTS = {
     "f1b_zero1": Config(name="f1b", mesh=MeshConfig(data=2, tensor=2, pipe=2), model=MODEL,
                         parallel=ParallelConfig(microbatches=4, schedule="1f1b", zero=1),
                         train=TrainConfig(global_batch=16, seq_len=64)),
+    # GPipe with sequence parallelism: the backward's cotangent gathers (transformer.scatter_partial_sums)
+    "gpipe_sp": Config(name="gpsp", mesh=MeshConfig(data=2, tensor=2, pipe=2), model=MODEL,
+                       parallel=ParallelConfig(microbatches=4, sequence_parallel=True),
+                       train=TrainConfig(global_batch=16, seq_len=64)),
     # interleaved 1F1B: v = 2 chunks per stage, the sends round a ring (4 layers: one per chunk)
     "interleaved": Config(name="il", mesh=MeshConfig(data=2, tensor=2, pipe=2),
                           model=dataclasses.replace(MODEL, n_layers=4),
@@ -333,7 +337,23 @@ def test_gpu_zb_h1_split_backward_does_1f1b_work(cuda_plugin):
                                   parallel=dataclasses.replace(base.parallel, schedule=schedule, remat="save_attn_mlp"))
         got[schedule] = audit(cfg, FAST_COMPILE, target="h100-8")
     assert got["zb_h1"]["flops"]["hlo_executed"] == pytest.approx(got["1f1b"]["flops"]["hlo_executed"], rel=1e-6)
-    assert abs(got["zb_h1"]["memory"]["error"]) < 0.05, got["zb_h1"]["memory"]
+    # the stash holds the output projection's input too, which B recomputes under this policy
+    # (-2.1% before it was counted)
+    assert abs(got["zb_h1"]["memory"]["error"]) < 0.015, got["zb_h1"]["memory"]
+
+
+@pytest.mark.parametrize("remat", ["dots", "save_attn_mlp"])
+def test_gpu_zb_h1_fp8_stash_is_the_cost_models(cuda_plugin, remat):
+    """FP8: B hands W the cotangents it quantised for its own dots, E5M2 at 1 byte, and the
+    dots' inputs it recomputed in bf16 (W quantises again from them: split_backward._widens; a
+    float32 copy before). Under dots the policy saves none of the FP8 dots' outputs (a
+    custom_vjp), so the MLP's inputs are stashed too. The model within 4% of the h100-8
+    compiler's peak (before: +6.0% under save_attn_mlp, -23% under dots)."""
+    base = LAYOUTS["f1b_zero1"]
+    cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, n_layers=4), fp8=Fp8Config(enabled=True),
+                              parallel=dataclasses.replace(base.parallel, schedule="zb_h1", remat=remat))
+    a = audit(cfg, FAST_COMPILE, target="h100-8")
+    assert abs(a["memory"]["error"]) < 0.04, a["memory"]
 
 
 def test_moe_exchange_is_an_all_to_all_over_expert(target):
@@ -379,6 +399,34 @@ def test_sequence_parallelism_on_embed_is_reduce_scatter_and_all_gather_at_the_m
     assert not big, big
     for family in ("tensor", "data"):
         assert abs(a["axes"][family]["links_error"]) < 0.01, (family, a["axes"][family])
+
+
+def test_gpipe_gathers_each_row_parallel_cotangent_once(target):
+    """GPipe with sequence parallelism: a row-parallel output's cotangent is gathered once for
+    its two dots (the input and the weight gradient's) and a norm output's cotangent is
+    reduce-scattered into the residual stream (transformer.scatter_partial_sums, gather_normed):
+    the tensor family is the cost model's (1%). Left to the partitioner, each dot had its own
+    gather (one combined all-gather carried the same operand twice), and XLA:TPU all-reduced the
+    column-parallel input gradients' partial sums whole: -21.5% on h100-8, -18.7% on v5e-8."""
+    a = _audit(target, "gpipe_sp")
+    assert abs(a["axes"]["tensor"]["error"]) < 0.01, a["axes"]["tensor"]
+    for kind in ("all-gather", "reduce-scatter"):
+        rows = _rows(a, ("tensor",), kind)
+        assert rows and sum(r["bytes"] for r in rows) == pytest.approx(sum(r["model_bytes"] for r in rows), rel=0.01)
+
+
+def test_gpu_1f1b_with_sequence_parallelism_on_embed_moves_the_models_bytes(cuda_plugin):
+    """D-sharded sequence parallelism inside 1F1B's stages (data 2 x tensor 2 x pipe 2, ZeRO-1):
+    every family of tensor, data and pipe bytes the h100-8 compiler emits is the cost model's
+    (1%; measured within 0.2% at 4 layers, 2026-12-07); the terms were compiled unpipelined only
+    before."""
+    base = LAYOUTS["f1b_zero1"]
+    cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, sequence_parallel=True,
+                                                                 sequence_parallel_dim="embed"))
+    a = audit(cfg, FAST_COMPILE, target="h100-8")
+    assert _rows(a, ("tensor",), "reduce-scatter") and _rows(a, ("tensor",), "all-gather")
+    for family in ("tensor", "data", "pipe"):
+        assert abs(a["axes"][family]["error"]) < 0.01, (family, a["axes"][family])
 
 
 def test_sequence_parallel_tensor_collectives_and_zero3_gathers_equal_the_cost_model(target):

@@ -54,6 +54,10 @@ LAYOUTS = {
                                        ParallelConfig(microbatches=2, schedule="interleaved_1f1b", repeats=2)),
     "zb_h1_moe_d2_p2_e2_zero3": (MOE4, MeshConfig(data=2, pipe=2, expert=2),
                                  ParallelConfig(microbatches=2, schedule="zb_h1", zero=3)),
+    # ZB-H1 split under dots: B recomputes the FP8 dots (the policy saves none of a custom_vjp's
+    # outputs) and W converts their inputs again from B's stash (split_backward._widens)
+    "zb_h1_d2_t2_p2_dots": (dataclasses.replace(DENSE3, n_layers=4), MeshConfig(data=2, tensor=2, pipe=2),
+                            ParallelConfig(microbatches=2, schedule="zb_h1", remat="dots")),
     # remat full: the table schedules' B pass runs one unit at a time (backward_by_unit), the
     # state recorded per unit, identity slots and the dynamic chunk index of v = 2 included
     "1f1b_uneven_d2_t2_p2_remat": (DENSE3, MeshConfig(data=2, tensor=2, pipe=2),

@@ -60,6 +60,26 @@ def test_w_runs_only_the_weight_matmuls(remat):
     assert sorted(a.shape for a in stash) == [(3, 2, 4), (3, 2, 5)]
 
 
+def test_a_widening_convert_is_stashed_narrow():
+    """FP8's quantisation reads a bf16 operand in float32 (the amax B records, the E4M3 cast W's
+    weight-gradient dot reads): B converts for its own output, and W converts again from the
+    bf16 value it stashes, not from a float32 copy at twice the bytes (split_backward._widens)."""
+
+    def fn(a, b, ct):
+        x = (a @ b).astype(jnp.bfloat16)  # B's (a matmul): W cannot compute it again
+        x32 = x.astype(jnp.float32)
+        return jnp.max(jnp.abs(x32)), x32.T @ ct  # B's amax, W's weight gradient
+
+    k = jax.random.split(jax.random.PRNGKey(1), 3)
+    args = (jax.random.normal(k[0], (8, 4)), jax.random.normal(k[1], (4, 6)), jax.random.normal(k[2], (8, 3)))
+    split = Split.of(fn, args, lambda out: (False, True))
+    b, stash = jax.jit(split.b)(args)
+    assert [(a.shape, a.dtype) for a in stash] == [((8, 6), jnp.bfloat16)]
+    got = split.outputs(b, jax.jit(split.w)(args, stash))
+    for g, r in zip(got, jax.jit(fn)(*args)):
+        np.testing.assert_allclose(g, r, rtol=1e-6)
+
+
 def test_split_op_costs_are_the_cost_models():
     """A pipeline stage chunk's F, split B and W, compiled (XLA:CPU cost_analysis, one device):
     B and W from F's residuals together are 1F1B's B, and their ratio to F is

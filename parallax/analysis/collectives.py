@@ -232,9 +232,10 @@ def _block_tensor_terms(s: Dims, out: _Terms) -> None:
     # norms; under none they are residuals. (compiled for h100-8, 4 layers, SP: 2026-12-07)
     regathers = 2 * (chunk_runs + np.where(s.remat != NONE, policy_runs * s.unit, 0)) * halves \
         + s.zb_split * (s.remat >= SAVE_ATTN_MLP) * s.busy_layers * halves
-    # (D sharded: XLA:CPU gathers a row-parallel output's cotangent once for each of its two dots,
-    # the input and the weight gradient's; XLA:GPU and XLA:TPU once. Compiled for CPU, h100-8, v5e-8)
-    cotangent_gathers = 1 + np.where(s.cpu & s.sp_embed, 1, 0) + s.zb_rerun * w_gathers + s.zb_split
+    # (a row-parallel output's cotangent is gathered once, for both its dots, the input and the
+    # weight gradient's: transformer.scatter_partial_sums. Left to the partitioner, XLA:CPU (D
+    # sharded) and GPipe on XLA:GPU and XLA:TPU gathered it once for each.)
+    cotangent_gathers = 1 + s.zb_rerun * w_gathers + s.zb_split
     for what, n in (("sequence-parallel norm gathers forward (2 per layer)", gathers),
                     ("sequence-parallel cotangent gathers backward (2 per layer)", gathers * cotangent_gathers),
                     ("sequence-parallel norm gathers recomputed", regathers)):

@@ -408,8 +408,18 @@ def memory_parts(w: Workload, g: Grid, platform: str = "accelerator", attention:
     # sequence parallelism, as B's program leaves them: W gathers them again, collectives.py), an
     # MoE block's per slot, its router logits' (float32) and shared experts'. Kept per residual
     # slot, with an idle B's trash slot and the B's own result before it enters its slot.
-    stash_tok = (s.unit * (2 * D / sp_t + (N + 2 * K) * H / t) * c + dense * 2 * F / t * c
-                 + s.moe * (s.slots_tok * (2 * s.Fe / t + D) * c + s.E * 4 + s.S * (2 * s.Fe / t + D) * c)) / s.unit
+    # FP8: W's dots read the E5M2 cotangents B quantised for its own (fp8._dot_bwd): 1 byte. Where
+    # the policy recomputes the attention (dots, save_attn_mlp) W reads the output projection's
+    # input from the stash too, in the compute dtype (split_backward._widens). FP8 under dots: the
+    # policy saves no FP8 matmul's output (a custom_vjp is opaque to it), so W reads the MLP
+    # norm's output (T-sharded under SP) and the down projections' inputs from the stash as well.
+    cq = np.where(s.fp8, 1, c)
+    attn_in = np.where(s.remat != NONE, N * H / t * c, 0)
+    fp8_dots = s.fp8 & (s.remat == DOTS)
+    stash_tok = (s.unit * ((2 * D / sp_t + (N + 2 * K) * H / t) * cq + attn_in + fp8_dots * D / sp_t * c)
+                 + dense * (2 * cq + fp8_dots * c) * F / t
+                 + s.moe * (s.slots_tok * ((2 * cq + fp8_dots * c) * s.Fe / t + D * cq) + s.E * 4
+                            + s.S * ((2 * cq + fp8_dots * c) * s.Fe / t + D * cq))) / s.unit
     stash = np.where(s.zb_split, residual_slots(s.sched, s.p, s.M, s.r) + 2, 0) * tok_m * stash_tok
     f1b_saved = slots * tok_m * D * c / sp_t + s.Lc * (chunk_res + stash + saved_layer) + tick_grad + stage_acc
     activations = np.where(s.f1b, f1b_saved, np.where(s.piped, gpipe_saved, plain_saved))

@@ -12,6 +12,7 @@ when every expert is on every device).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -35,16 +36,46 @@ RESIDUAL = ("activation_batch", "activation_norm_length", "activation_norm_embed
 NORMED = ("activation_batch", "activation_length", "activation_embed")
 
 
-def gather_normed(h: jax.Array) -> jax.Array:
+def gather_normed(h: jax.Array, scatter_cotangent: bool = True) -> jax.Array:
     """A norm's output [B, T, D] to NORMED for the column-parallel matmuls. Where NORMED and
     RESIDUAL differ (sequence parallelism) that is an all-gather over tensor, which must send the
     compute dtype: XLA:GPU sinks the norm's narrowing convert below the gather and sends its
     float32 (compiled for h100-8: twice the bytes of every forward norm gather); an optimization
     barrier keeps the convert above the gather. Elsewhere there is no collective and no barrier
-    (one would stop a compiler fusing the norm into the matmul)."""
-    if h.dtype != jnp.float32 and pin(NORMED) != pin(RESIDUAL):
+    (one would stop a compiler fusing the norm into the matmul). In the backward pass the
+    cotangent, the column-parallel matmuls' partial sums, is reduce-scattered straight to the
+    residual stream's layout: the transpose of the NORMED constraint alone asked for it whole,
+    and XLA:TPU all-reduced it inside GPipe's stages (v5e-8: half the block's partial sums). Not
+    the loss head's (`scatter_cotangent` False): its chunks write their input gradients into one
+    buffer, which that layout made the partitioner gather again in every chunk."""
+    normed, residual = pin(NORMED), pin(RESIDUAL)
+    if normed == residual:
+        return constrain(h, NORMED)
+    if h.dtype != jnp.float32:
         h = jax.lax.optimization_barrier(h)
-    return constrain(h, NORMED)
+    return _reshard(h, normed, residual) if scatter_cotangent else constrain(h, NORMED)
+
+
+def scatter_partial_sums(y: jax.Array) -> jax.Array:
+    """A row-parallel matmul's output [B, T, D] (partial sums over tensor) on its way into the
+    residual stream, whose constraint reduce-scatters it under sequence parallelism. Unchanged
+    in the forward pass; in the backward pass its cotangent, T- (or D-) sharded as the residual
+    stream's, is gathered once to NORMED, here: left to the partitioner, each consumer matmul
+    (the input gradient's and the weight gradient's) had its own gather of it (compiled for
+    h100-8 and v5e-8 under GPipe, two [b, T, D] gathers a layer more than the model's). Without
+    sequence parallelism, the identity."""
+    normed = pin(NORMED)
+    return y if normed == pin(RESIDUAL) else _reshard(y, None, normed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _reshard(x: jax.Array, forward: Any, backward: Any) -> jax.Array:
+    """x in the layout `forward` (a logical.Pin; None: as it is), its cotangent in `backward`'s."""
+    return x if forward is None else forward(x)
+
+
+_reshard.defvjp(lambda x, forward, backward: (_reshard(x, forward, backward), None),
+                lambda forward, backward, _, g: (backward(g),))
 
 
 REMAT_POLICIES = {
@@ -108,10 +139,10 @@ class Block(nn.Module):
         dtype = jnp.dtype(c.dtype)
         out_std = c.init_std / math.sqrt(2 * c.n_layers)  # GPT-2 style residual-branch scaling
         h = gather_normed(RMSNorm(c.norm_eps, dtype, self.placer, name="attn_norm")(x))
-        x = x + Attention(
+        x = x + scatter_partial_sums(Attention(
             c.n_heads, c.n_kv_heads, c.d_model // c.n_heads, c.rope_theta, c.init_std, out_std, dtype,
             self.dot_general, self.grad_dtype, self.placer, self.attention_chunk, self.decode, self.attend, name="attn",
-        )(h, *(docs or ()))
+        )(h, *(docs or ())))
         x = constrain(x, RESIDUAL)
         h = gather_normed(RMSNorm(c.norm_eps, dtype, self.placer, name="mlp_norm")(x))  # MoE routes whole sequences
         moe = self.moe if self.moe is not None else bool(c.moe.num_experts) and c.moe.every == 1
@@ -123,7 +154,8 @@ class Block(nn.Module):
             # combine over T by `tensor` (sequence parallelism), adding small gathers and sorts.
             y = constrain(y, NORMED)
         else:
-            y = MLP(c.d_ff, c.init_std, out_std, dtype, self.dot_general, self.grad_dtype, self.placer, name="mlp")(h)
+            y = scatter_partial_sums(MLP(c.d_ff, c.init_std, out_std, dtype, self.dot_general, self.grad_dtype,
+                                         self.placer, name="mlp")(h))
         return constrain(x + y, RESIDUAL), stats
 
 
@@ -217,14 +249,14 @@ class Transformer(nn.Module):
 
     def head(self, x: jax.Array) -> jax.Array:
         """[B, T, D] -> [B, T, V] float32 logits (sampling, tests; training uses head_loss)."""
-        x = gather_normed(self.final_norm(x))  # the logits need every token of each vocab shard
+        x = gather_normed(self.final_norm(x), scatter_cotangent=False)  # the logits need every token
         logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.logits(x)
         return constrain(logits, LOGITS).astype(jnp.float32)
 
     def head_loss(self, x: jax.Array, targets: jax.Array, loss_mask: jax.Array | None = None) -> jax.Array:
         """[B, T, D], targets [B, T] -> mean cross-entropy, never holding [B, T, V] (vocab.py).
         `loss_mask` [B, T] (packed documents): the mean over the tokens where it is nonzero."""
-        x = gather_normed(self.final_norm(x))
+        x = gather_normed(self.final_norm(x), scatter_cotangent=False)
         if self.cfg.tie_embeddings:
             return self.embed.loss(x, targets, self.loss_chunk, loss_mask)
         return self.logits(x, targets, self.loss_chunk, loss_mask)

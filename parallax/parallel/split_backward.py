@@ -11,13 +11,15 @@ with no change to the model code:
   - W runs the rest of what its outputs need, and reads what it needs of B's values from a stash
     that B returns beside its outputs. A value W can compute again from its own inputs with cheap
     equations alone (no matmul, scan, conditional, collective or call: a transpose of a weight,
-    a broadcast) it computes; any other is stashed.
+    a broadcast) it computes; any other is stashed, but a widening convert or a layout constraint
+    of one of B's values, which W applies again to the narrower value it stashes (`_widens`).
 
-Calls (`jit`, `closed_call`, the backward's `remat2`) are inlined first, so the walk sees through
-them. A scan both sides need (the chunk's units) is split in its body by the same rule: B's scan
-emits the stash of each trip as extra ys, W's scan takes them as xs; a carry B needs is B's (the
-input cotangent through the units), any other W's (a gradient summed over trips). Anything else
-that B needs (a conditional, a while loop, a collective, a custom call) B runs whole.
+Calls (`jit`, `closed_call`, the backward's `remat2`, a recomputed custom VJP's primal) are
+inlined first, so the walk sees through them. A scan both sides need (the chunk's units) is split
+in its body by the same rule: B's scan emits the stash of each trip as extra ys, W's scan takes
+them as xs; a carry B needs is B's (the input cotangent through the units), any other W's (a
+gradient summed over trips). Anything else that B needs (a conditional, a while loop, a
+collective, a custom call) B runs whole.
 
 The two sides are traced from the same function at each site (each with its own closures), so
 their stashes line up: `Split.stash_of` names the layout, and the pipeline keeps it per residual
@@ -46,7 +48,7 @@ _COLLECTIVES = {"all_gather", "all_gather_done", "all_gather_invariant", "all_ga
 _HEAVY = {"dot_general", "conv_general_dilated", "ragged_dot_general", "scan", "while", "cond",
           "custom_call", "pallas_call", "custom_vjp_call", "custom_jvp_call", *_COLLECTIVES}
 _CASTS = {"pvary", "pcast", "vary_unreduced_cast_p"}  # casts between shard_map's types (no data moves)
-_INLINED = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"}
+_INLINED = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_vjp_call"}
 
 
 def _subjaxprs(eqn: Any) -> list:
@@ -55,6 +57,22 @@ def _subjaxprs(eqn: Any) -> list:
 
 def _cheap(eqn: Any) -> bool:
     return eqn.primitive.name not in _HEAVY and not _subjaxprs(eqn) and not eqn.effects
+
+
+def _widens(eqn: Any) -> bool:
+    """An equation W runs again on B's value rather than have the stash hold its wider result: a
+    convert to a wider dtype (FP8's quantisation reads its operand in float32: the stash would
+    hold the float32 copy of a bf16 value, twice its bytes) and a layout constraint (under
+    sequence parallelism, transformer.scatter_partial_sums gathers a row-parallel output's
+    cotangent over tensor: the stash keeps it T-sharded, as the residual stream, and W gathers
+    it again, as the norms' outputs it recomputes)."""
+    if not _is_var(eqn.invars[0]):
+        return False
+    if eqn.primitive.name == "sharding_constraint":
+        return True
+    if eqn.primitive.name != "convert_element_type":
+        return False
+    return eqn.outvars[0].aval.dtype.itemsize > eqn.invars[0].aval.dtype.itemsize
 
 
 def _is_var(a: Any) -> bool:
@@ -245,6 +263,9 @@ def _w_walk(jaxpr: Any, plan: _Plan, need: list[bool], readable: list[bool]) -> 
             plan.w_eqns[i] = True
             ins = reads[:nc] + carry + reads[nc + nk:]  # the W carries' inits, the consts and xs it reads
             live.update(a for a, r in zip(eqn.invars, ins) if r and _is_var(a))
+        elif _widens(eqn):  # B's value widened: W widens again, the narrow one is handed over
+            plan.w_eqns[i] = True
+            live.update(a for a in eqn.invars if _is_var(a))
         else:  # B computes it: handed over
             stash.update(v for v, o in zip(eqn.outvars, outs) if o)
     # B's carries' values W reads in a trip are stashed too (not readable: `readable` False)
