@@ -85,15 +85,20 @@ TINY = [
     "train.seq_len=16", "train.global_batch=8", f"train.steps={STEPS}", "train.log_every=1",
     "train.eval_every=0", f"checkpoint.every={EVERY}", "checkpoint.keep=3",
 ]
-# Before `main`, in the child: 0.3 s between steps (outside the step's time), so that a kill lands
-# between steps 6 and 8, after checkpoint 4 and before checkpoint 8.
+# Before `main`, in the child: 0.3 s between steps (outside the step's time), and step 7 is not
+# recorded before checkpoint 4 is finalized (its save is asynchronous: under load it was still in
+# flight at step 6, and the resume started from scratch). The parent kills once it sees step 6
+# and checkpoint 4, so the kill lands after checkpoint 4 and at least 0.6 s before step 8's record.
 SLOW = """
-import sys, time
+import os, sys, time
 import parallax.train.loop as loop
 real = loop._Training.after_step
-def after_step(self, *a, **k):
+first = os.path.join(sys.argv[sys.argv.index("--workdir") + 1], "checkpoints", "4")
+def after_step(self, done, *a, **k):
+    while done >= 7 and not os.path.isdir(first):
+        time.sleep(0.01)
     time.sleep(0.3)
-    return real(self, *a, **k)
+    return real(self, done, *a, **k)
 loop._Training.after_step = after_step
 from parallax.__main__ import main
 sys.exit(main())
@@ -117,9 +122,10 @@ def test_a_kill_and_resume_count_the_replayed_steps_as_lost(tmp_path):
     proc = _spawn(wd, cache)
     try:
         deadline = time.monotonic() + 300
-        while not any(r["step"] >= 6 for r in (_records(wd) if (wd / "metrics.jsonl").exists() else [])):
+        while not ((wd / "checkpoints" / str(EVERY)).is_dir()
+                   and any(r["step"] >= 6 for r in (_records(wd) if (wd / "metrics.jsonl").exists() else []))):
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no step 6 within 300 s"
+            assert time.monotonic() < deadline, "no step 6 and checkpoint 4 within 300 s"
             time.sleep(0.005)
         proc.send_signal(signal.SIGKILL)
     finally:
