@@ -271,6 +271,16 @@ def test_packed_loss_equals_the_documents_alone_on_one_device(tied, chunks):
     assert abs(float(plain) - float(want)) > 1e-4
 
 
+@pytest.fixture(scope="module")
+def documents_alone():
+    """The reference the step tests share: loss and gradients of the documents alone at the
+    train state's initial parameters (one jitted program over every document's own row, which
+    costs more to compile than the steps it checks: built once per module)."""
+    cfg = Config(model=MODEL, train=TrainConfig(global_batch=B, seq_len=T))
+    params = {"params": init_state(cfg, build(cfg, jax.devices()[:1]).layout).params}
+    return jax.jit(jax.value_and_grad(lambda p: _reference_loss(Transformer(MODEL), p, _packed_rows())))(params)
+
+
 def _step_grads(mesh: MeshConfig, parallel: ParallelConfig, devices, eod: int = EOD):
     cfg = Config(mesh=mesh, model=MODEL, parallel=parallel, data=DataConfig(eod_id=eod),
                  train=TrainConfig(global_batch=B, seq_len=T))
@@ -280,14 +290,11 @@ def _step_grads(mesh: MeshConfig, parallel: ParallelConfig, devices, eod: int = 
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
-def test_packed_step_on_data_x_tensor_equals_the_documents_alone():
+def test_packed_step_on_data_x_tensor_equals_the_documents_alone(documents_alone):
     """The jitted gradient step (train_step.make_grad_fn) with the packed batch sharded over the
     batch axes: on 1 device, on data 2 x tensor 2 (chunked attention and loss, sequence
     parallelism), against the documents alone."""
-    cfg = Config(model=MODEL, train=TrainConfig(global_batch=B, seq_len=T))
-    model = Transformer(MODEL)
-    params = {"params": init_state(cfg, build(cfg, jax.devices()[:1]).layout).params}
-    want, want_g = jax.jit(jax.value_and_grad(lambda p: _reference_loss(model, p, _packed_rows())))(params)
+    want, want_g = documents_alone
     one = _step_grads(MeshConfig(data=1), ParallelConfig(), jax.devices()[:1])
     sharded = _step_grads(MeshConfig(data=2, tensor=2),
                           ParallelConfig(loss_chunk=4, attention_chunk=8, sequence_parallel=True), jax.devices()[:4])
@@ -302,14 +309,11 @@ def test_packed_step_on_data_x_tensor_equals_the_documents_alone():
     # 1F1B: the head per microbatch, each mean weighted by its share of the kept tokens
     (MeshConfig(data=2, tensor=2, pipe=2), ParallelConfig(microbatches=4, schedule="1f1b")),
 ], ids=["gpipe_d2_t2_p2", "gpipe_d2_p2_zero3_remat", "1f1b_d2_t2_p2"])
-def test_packed_step_in_pipeline_stages_equals_the_documents_alone(mesh, parallel):
+def test_packed_step_in_pipeline_stages_equals_the_documents_alone(documents_alone, mesh, parallel):
     """Segment ids and positions cut into microbatches (and half-microbatches) with the
     activations, through every stage; the mean over all the batch's kept tokens (GPipe: the head on
     the whole batch; 1F1B: per microbatch, weighted)."""
-    cfg = Config(model=MODEL, train=TrainConfig(global_batch=B, seq_len=T))
-    model = Transformer(MODEL)
-    params = {"params": init_state(cfg, build(cfg, jax.devices()[:1]).layout).params}
-    want, want_g = jax.jit(jax.value_and_grad(lambda p: _reference_loss(model, p, _packed_rows())))(params)
+    want, want_g = documents_alone
     n = mesh.data * mesh.tensor * mesh.pipe
     loss, grads = _step_grads(mesh, parallel, jax.devices()[:n])
     grads["layers"] = to_layer_major(grads["layers"], MODEL.n_layers)
@@ -318,7 +322,7 @@ def test_packed_step_in_pipeline_stages_equals_the_documents_alone(mesh, paralle
 
 
 @pytest.mark.parametrize("mesh", [MeshConfig(data=1), MeshConfig(data=2, tensor=2)], ids=["d1", "d2_t2"])
-def test_packed_grad_accum_equals_the_documents_alone(mesh):
+def test_packed_grad_accum_equals_the_documents_alone(documents_alone, mesh):
     """train.grad_accum=2 with packed documents (train_step.accumulate): each microstep's mean over
     its kept tokens weighted by its share of the batch's, on 1 device and on data 2 x tensor 2,
     where each batch shard's gradient is accumulated unreduced (parallelism.reduces_once) and
@@ -328,10 +332,7 @@ def test_packed_grad_accum_equals_the_documents_alone(mesh):
                  train=TrainConfig(global_batch=B, seq_len=T, grad_accum=2))
     n = mesh.data * mesh.tensor
     assert bool(reduces_once(2, False, False, 0, mesh.data, 1)) == (mesh.data > 1)
-    one = Config(model=MODEL, train=TrainConfig(global_batch=B, seq_len=T))
-    model = Transformer(MODEL)
-    params = {"params": init_state(one, build(one, jax.devices()[:1]).layout).params}
-    want, want_g = jax.jit(jax.value_and_grad(lambda p: _reference_loss(model, p, _packed_rows())))(params)
+    want, want_g = documents_alone
     b = build(cfg, jax.devices()[:n])
     batch = jax.device_put(split_batch(_packed_rows(), EOD), b.batch_sharding)
     (loss, (ce, _)), (grads, _) = jax.jit(accumulate(cfg, b.layout))(init_state(cfg, b.layout).params, batch, {})

@@ -80,6 +80,45 @@ def test_a_widening_convert_is_stashed_narrow():
         np.testing.assert_allclose(g, r, rtol=1e-6)
 
 
+def test_a_recomputed_custom_vjp_primal_is_inlined():
+    """A custom VJP inside a recomputed unit (the model's `transformer._reshard`, a layout change
+    with its own backward) is run again by the backward as a `custom_vjp_call` of its primal: the
+    split walks into it (split_backward._INLINED), so W recomputes the cheap primal from the
+    unit's input, as it recomputes the plain scale. Treated as one opaque call it is heavy: B
+    runs it (its own chain needs the output) and the stash holds its output for W as well."""
+
+    @jax.custom_vjp
+    def double(x):
+        return 2.0 * x
+
+    # the forward rule calls the function itself, as _reshard's does: the recomputed primal is then
+    # a `custom_vjp_call` in the backward's jaxpr (a rule that computes 2x itself is inlined by JAX)
+    double.defvjp(lambda x: (double(x), None), lambda _, ct: (2.0 * ct,))
+    mm = jax.jit(lambda a, b: a @ b)
+
+    def unit(h, wl):
+        return jnp.tanh(mm(double(h * wl["g"]), wl["a"])) @ wl["b"] + h
+
+    unit = jax.checkpoint(unit)  # nothing saved: B runs the unit again, `double` included
+    k = jax.random.split(jax.random.PRNGKey(2), 5)
+    w = {"a": jax.random.normal(k[0], (3, 4, 5)), "b": jax.random.normal(k[1], (3, 5, 4)),
+         "g": jax.random.normal(k[2], (3, 4))}
+    y, vjp = jax.vjp(lambda w, x: jax.lax.scan(lambda h, wl: (unit(h, wl), None), x, w)[0], w,
+                     jax.random.normal(k[3], (2, 4)))
+    leaves, tree = jax.tree.flatten(vjp)
+    apply = lambda ls, ct: jax.tree.unflatten(tree, ls)(ct)  # noqa: E731
+    args = (leaves, jax.random.normal(k[4], y.shape))
+    split = Split.of(apply, args, lambda out: (jax.tree.map(lambda _: True, out[0]), False))
+    assert "custom_vjp_call" not in split.eqns("b") + split.eqns("w")
+    b, stash = jax.jit(split.b)(args)
+    # per unit: the output's cotangent, the tanh input's cotangent and the tanh (a matmul's, B's
+    # to compute), not `double`'s output (another [2, 4] when the call is opaque)
+    assert sorted(a.shape for a in stash) == [(3, 2, 4), (3, 2, 5), (3, 2, 5)]
+    got = split.outputs(b, jax.jit(split.w)(args, stash))
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(apply(*args))):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
 def test_split_op_costs_are_the_cost_models():
     """A pipeline stage chunk's F, split B and W, compiled (XLA:CPU cost_analysis, one device):
     B and W from F's residuals together are 1F1B's B, and their ratio to F is
