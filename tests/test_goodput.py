@@ -79,7 +79,7 @@ def test_a_torn_last_line_is_skipped_and_cut_before_appending(tmp_path):
 # A real run: kill -9 past a checkpoint, resume
 
 
-STEPS, EVERY = 10, 4
+STEPS, EVERY, KILL_AT = 10, 4, 6  # killed after step 6: past checkpoint 4, before checkpoint 8
 TINY = [
     "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
     "train.seq_len=16", "train.global_batch=8", f"train.steps={STEPS}", "train.log_every=1",
@@ -89,13 +89,13 @@ TINY = [
 # recorded before checkpoint 4 is finalized (its save is asynchronous: under load it was still in
 # flight at step 6, and the resume started from scratch). The parent kills once it sees step 6
 # and checkpoint 4, so the kill lands after checkpoint 4 and at least 0.6 s before step 8's record.
-SLOW = """
+SLOW = f"""
 import os, sys, time
 import parallax.train.loop as loop
 real = loop._Training.after_step
-first = os.path.join(sys.argv[sys.argv.index("--workdir") + 1], "checkpoints", "4")
+first = os.path.join(sys.argv[sys.argv.index("--workdir") + 1], "checkpoints", "{EVERY}")
 def after_step(self, done, *a, **k):
-    while done >= 7 and not os.path.isdir(first):
+    while done > {KILL_AT} and not os.path.isdir(first):
         time.sleep(0.01)
     time.sleep(0.3)
     return real(self, done, *a, **k)
@@ -123,7 +123,7 @@ def test_a_kill_and_resume_count_the_replayed_steps_as_lost(tmp_path):
     try:
         deadline = time.monotonic() + 300
         while not ((wd / "checkpoints" / str(EVERY)).is_dir()
-                   and any(r["step"] >= 6 for r in (_records(wd) if (wd / "metrics.jsonl").exists() else []))):
+                   and any(r["step"] >= KILL_AT for r in (_records(wd) if (wd / "metrics.jsonl").exists() else []))):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "no step 6 and checkpoint 4 within 300 s"
             time.sleep(0.005)

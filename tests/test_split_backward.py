@@ -9,9 +9,9 @@ import pytest
 from parallax.parallel.split_backward import Split
 
 
-def _stack(w, x, remat=False):
-    """A scanned stack of units: a norm-like scale, two matmuls with a tanh, a residual add;
-    each unit's matmul under `jit`, the unit under `jax.checkpoint` when `remat`."""
+def _unit(remat=False):
+    """A norm-like scale, two matmuls with a tanh, a residual add; the first matmul under `jit`,
+    the unit under `jax.checkpoint` when `remat`."""
     mm = jax.jit(lambda a, b: a @ b)
 
     def unit(h, wl):
@@ -20,15 +20,16 @@ def _stack(w, x, remat=False):
 
     if remat:
         unit = jax.checkpoint(unit, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    return jax.lax.scan(lambda h, wl: (unit(h, wl), None), x, w)[0]
+    return unit
 
 
-def _case(remat):
-    k = jax.random.split(jax.random.PRNGKey(0), 5)
+def _case(unit, seed=0):
+    """`unit` scanned over a stack of 3; the split of its VJP (weight gradients to W)."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 5)
     w = {"a": jax.random.normal(k[0], (3, 4, 5)), "b": jax.random.normal(k[1], (3, 5, 4)),
          "g": jax.random.normal(k[2], (3, 4))}
     x = jax.random.normal(k[3], (2, 4))
-    y, vjp = jax.vjp(lambda w, x: _stack(w, x, remat), w, x)
+    y, vjp = jax.vjp(lambda w, x: jax.lax.scan(lambda h, wl: (unit(h, wl), None), x, w)[0], w, x)
     leaves, tree = jax.tree.flatten(vjp)
     apply = lambda ls, ct: jax.tree.unflatten(tree, ls)(ct)  # noqa: E731
     args = (leaves, jax.random.normal(k[4], y.shape))
@@ -38,7 +39,7 @@ def _case(remat):
 
 @pytest.mark.parametrize("remat", [False, True], ids=["residuals", "dots_policy"])
 def test_b_and_w_equal_the_vjp(remat):
-    split, args, apply = _case(remat)
+    split, args, apply = _case(_unit(remat))
     b, stash = jax.jit(split.b)(args)
     w = jax.jit(split.w)(args, stash)
     got, want = split.outputs(b, w), apply(*args)
@@ -51,7 +52,7 @@ def test_w_runs_only_the_weight_matmuls(remat):
     """Per unit the VJP has 4 matmuls: 2 for the input cotangent (B's chain) and 2 weight
     gradients (W's). W holds the 2 and no more, B the chain's 2 (plus, under the policy, none:
     the dots are saved); the scale's gradient (a product and a sum) is B's, not stashed."""
-    split, args, _ = _case(remat)
+    split, args, _ = _case(_unit(remat))
     assert split.eqns("w").count("dot_general") == 2, split.eqns("w")
     assert split.eqns("b").count("dot_general") == 2, split.eqns("b")
     assert split.to_w == (True, True, False, False)  # a, b: W's; g: B's (cheap); x: B's
@@ -99,16 +100,8 @@ def test_a_recomputed_custom_vjp_primal_is_inlined():
     def unit(h, wl):
         return jnp.tanh(mm(double(h * wl["g"]), wl["a"])) @ wl["b"] + h
 
-    unit = jax.checkpoint(unit)  # nothing saved: B runs the unit again, `double` included
-    k = jax.random.split(jax.random.PRNGKey(2), 5)
-    w = {"a": jax.random.normal(k[0], (3, 4, 5)), "b": jax.random.normal(k[1], (3, 5, 4)),
-         "g": jax.random.normal(k[2], (3, 4))}
-    y, vjp = jax.vjp(lambda w, x: jax.lax.scan(lambda h, wl: (unit(h, wl), None), x, w)[0], w,
-                     jax.random.normal(k[3], (2, 4)))
-    leaves, tree = jax.tree.flatten(vjp)
-    apply = lambda ls, ct: jax.tree.unflatten(tree, ls)(ct)  # noqa: E731
-    args = (leaves, jax.random.normal(k[4], y.shape))
-    split = Split.of(apply, args, lambda out: (jax.tree.map(lambda _: True, out[0]), False))
+    # nothing saved: B runs the unit again, `double` included
+    split, args, apply = _case(jax.checkpoint(unit), seed=2)
     assert "custom_vjp_call" not in split.eqns("b") + split.eqns("w")
     b, stash = jax.jit(split.b)(args)
     # per unit: the output's cotangent, the tanh input's cotangent and the tanh (a matmul's, B's
